@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU build of torch (installed from local disk here; CUDA users: see README)
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test bench model install clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/ricordo fetch-model
+
+serve: model
+	PATH="$(CURDIR)/$(BIN):$$PATH" RICORDO_KV_DISK_DIR="$${RICORDO_KV_DISK_DIR:-$$HOME/.cache/ricordo/kv}" $(BIN)/honcho start
+
+test: model
+	$(BIN)/python -m pytest -x -q tests
+
+bench: model
+	$(BIN)/python bench/bench_model.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,104 @@
+"""The one settings class. Every option is declared once, here: its default, type, help and
+which processes read it. The CLI of every process is generated from it, and every flag
+`--some-flag` is also read from the environment as `RICORDO_SOME_FLAG` (the CLI wins).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+ALL = ("generate", "web", "renderer", "inference", "persister", "cache")
+
+
+def opt(default, help: str, procs=ALL, choices=None):
+    return field(default=default, metadata={"help": help, "procs": procs, "choices": choices})
+
+
+def _default_cache_root() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "ricordo")
+
+
+@dataclass
+class Settings:
+    # model
+    model: str = opt("", "GGUF file or Hugging Face dir; empty = the default model in --models-dir")
+    models_dir: str = opt("", "where the default model is fetched (default ~/.cache/ricordo/models)")
+    dtype: str = opt("auto", "compute dtype", ("generate", "inference"), ("auto", "bf16", "f32", "f16"))
+    device: str = opt("auto", "torch device (auto = cuda when present)", ("generate", "inference"))
+    threads: int = opt(0, "torch CPU threads (0 = torch default)", ("generate", "inference"))
+    ctx_size: int = opt(8192, "context size in tokens (capped at the model's)", ("generate", "renderer", "inference", "web"))
+    chunk_size: int = opt(512, "prefill chunk size; chunks end at absolute multiples of it", ("generate", "inference"))
+    model_id: str = opt("", "model id served by /v1/models (default: file name without extension)", ("web", "renderer"))
+    # process wiring
+    run_dir: str = opt("", "directory for sockets and shared memory names (default /tmp/ricordo-$PORT)",
+                       ("web", "renderer", "inference", "persister"))
+    port: int = opt(8000, "HTTP port (also names the default run dir)", ("web", "renderer", "inference", "persister"))
+    max_body_bytes: int = opt(8 << 20, "largest accepted request body", ("web",))
+    max_queue: int = opt(64, "requests waiting for the model beyond which new ones get 429", ("renderer",))
+    log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
+    # disk KV cache (names and defaults of the seed)
+    kv_disk_dir: str = opt("", "checkpoint directory; empty disables the disk cache")
+    kv_disk_space_mb: int = opt(8192, "disk budget for checkpoints")
+    kv_cache_min_tokens: int = opt(512, "smallest checkpoint / reusable prefix in tokens")
+    kv_cache_cold_max_tokens: int = opt(30000, "longest prompt that gets a cold checkpoint")
+    kv_cache_continued_interval_tokens: int = opt(10000, "continued checkpoint interval")
+    kv_cache_boundary_trim_tokens: int = opt(32, "tokens trimmed from a cold checkpoint")
+    kv_cache_boundary_align_tokens: int = opt(2048, "checkpoint alignment in tokens")
+    kv_cache_reject_different_quant: bool = opt(False, "only reuse checkpoints of the same quant bits")
+    trace: str = opt("", "append cache decisions to this file")
+    tool_memory_max_ids: int = opt(100000, "tool-call ids remembered for exact replay")
+    disable_exact_tool_replay: bool = opt(False, "turn off exact tool-call replay")
+    api_key: str = opt("", "require this Bearer token on every endpoint but /health", ("web",))
+
+    @classmethod
+    def parser(cls, proc: str, prog: str | None = None) -> argparse.ArgumentParser:
+        ap = argparse.ArgumentParser(prog=prog or f"ricordo {proc}",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        cls.add_arguments(ap, proc)
+        return ap
+
+    @classmethod
+    def add_arguments(cls, ap: argparse.ArgumentParser, proc: str) -> None:
+        for f in dataclasses.fields(cls):
+            if proc not in f.metadata["procs"]:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            env = "RICORDO_" + f.name.upper()
+            default = cls._env(f, env)
+            help_ = f"{f.metadata['help']} [env {env}]"
+            if f.type in ("bool", bool):
+                ap.add_argument(flag, action="store_true", default=default, help=help_)
+            else:
+                typ = {"int": int, "str": str, "float": float}[str(f.type)]
+                ap.add_argument(flag, type=typ, default=default, help=help_,
+                                choices=f.metadata["choices"])
+
+    @staticmethod
+    def _env(f, env: str):
+        raw = os.environ.get(env)
+        if raw is None:
+            return f.default
+        if f.type in ("bool", bool):
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        try:
+            return {"int": int, "str": str, "float": float}[str(f.type)](raw)
+        except ValueError:
+            raise SystemExit(f"error: {env}={raw!r} is not a valid {f.type}") from None
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> "Settings":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in known})
+
+    @classmethod
+    def load(cls, proc: str, argv=None) -> "Settings":
+        return cls.from_args(cls.parser(proc).parse_args(argv))
+
+    # derived values: computed here so no second place spells them
+    def models_path(self) -> str:
+        return self.models_dir or os.environ.get("RICORDO_MODELS") or os.path.join(_default_cache_root(), "models")
+
+    def run_path(self) -> str:
+        return self.run_dir or os.path.join("/tmp", f"ricordo-{self.port}")

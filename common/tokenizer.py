@@ -1,0 +1,183 @@
+"""Tokenizer, token pieces and chat template, built from a GGUF file or a Hugging Face dir.
+
+Invariant: for every token id, `pieces[id]` is the exact byte string that id stands for
+(special tokens as their literal text), so the concatenation of a prompt's pieces is the
+prompt's bytes. The cache text of a checkpoint is built from these pieces.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from common.gguf_file import GGUFFile
+
+# llama.cpp's pre-tokenizer regexes by tokenizer.ggml.pre (the ones we support)
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+              r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_GPT2_LIKE = {"gpt2", "default", "olmo", "jais"}
+_LLAMA3_LIKE = {"llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"}
+
+# end-of-turn markers a chat model may emit instead of its declared EOS
+_EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>",
+              "<|end|>", "</s>")
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's reversible byte <-> printable-unicode map, inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@dataclass
+class TextModel:
+    """Everything text-side a process needs: tokenizer, pieces, template, special ids."""
+    tokenizer: Tokenizer
+    pieces: list[bytes]
+    chat_template: str | None
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    stop_ids: set[int] = field(default_factory=set)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    def encode(self, text: str | bytes) -> list[int]:
+        """Token ids of text, special tokens parsed, never a BOS added."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="surrogateescape")
+        if not text:
+            return []
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def piece_bytes(self, ids) -> bytes:
+        return b"".join(self.pieces[i] for i in ids)
+
+    def bos_text(self) -> bytes:
+        """What to put in front of a prompt so that BOS is part of its bytes, if the model wants one."""
+        return self.pieces[self.bos_id] if self.add_bos and self.bos_id is not None else b""
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        if not self.chat_template:
+            raise TokenizerError("the model has no chat template")
+        tpl = _compile_template(self.chat_template)
+        bos = self.pieces[self.bos_id].decode("utf-8", "replace") if self.bos_id is not None else ""
+        eos = self.pieces[self.eos_id].decode("utf-8", "replace") if self.eos_id is not None else ""
+        return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                          bos_token=bos, eos_token=eos, **extra)
+
+
+def _raise(msg):
+    raise jinja2.TemplateError(msg)
+
+
+@lru_cache(maxsize=4)
+def _compile_template(src: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       keep_trailing_newline=True)
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+    return env.from_string(src)
+
+
+def _finish(tok: Tokenizer, pieces, template, bos, eos, add_bos) -> TextModel:
+    stop = {eos} if eos is not None else set()
+    for i, p in enumerate(pieces):
+        if p.decode("utf-8", "replace") in _EOG_TEXTS:
+            stop.add(i)
+    return TextModel(tok, pieces, template, bos, eos, add_bos, stop)
+
+
+def from_gguf(g: GGUFFile) -> TextModel:
+    m = g.meta
+    kind = m.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise TokenizerError(f"unsupported tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+    tokens = list(m["tokenizer.ggml.tokens"])
+    types = m.get("tokenizer.ggml.token_type")
+    merges = [tuple(x.split(" ", 1)) for x in m.get("tokenizer.ggml.merges", [])]
+    pre = str(m.get("tokenizer.ggml.pre", "default"))
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                     fuse_unk=False, ignore_merges=pre in _LLAMA3_LIKE)
+    tok = Tokenizer(bpe)
+    if pre in _DIGITS_FIRST or pre in _GPT2_LIKE:
+        regex = _GPT2_RE
+    elif pre in _LLAMA3_LIKE:
+        regex = _LLAMA3_RE
+    else:
+        raise TokenizerError(f"unsupported pre-tokenizer {pre!r}")
+    seq = []
+    if pre in _DIGITS_FIRST:
+        seq.append(pre_tokenizers.Digits(individual_digits=True))
+    seq += [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(seq)
+    tok.decoder = decoders.ByteLevel()
+    special = [i for i, t in enumerate(types)] if types is not None else []
+    special = [i for i in special if int(types[i]) in (3, 4)]  # CONTROL, USER_DEFINED
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in special])
+    bd = _byte_decoder()
+    special_set = set(special)
+    pieces = []
+    for i, t in enumerate(tokens):
+        if i in special_set or any(c not in bd for c in t):
+            pieces.append(t.encode("utf-8"))
+        else:
+            pieces.append(bytes(bd[c] for c in t))
+    bos = m.get("tokenizer.ggml.bos_token_id")
+    eos = m.get("tokenizer.ggml.eos_token_id")
+    add_bos = bool(m.get("tokenizer.ggml.add_bos_token", False))
+    return _finish(tok, pieces, m.get("tokenizer.chat_template"),
+                   None if bos is None else int(bos), None if eos is None else int(eos), add_bos)
+
+
+def from_hf_dir(path: str) -> TextModel:
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    cfg = {}
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    n = max(vocab.values()) + 1
+    inv = [""] * n
+    for t, i in vocab.items():
+        inv[i] = t
+    added = {a.content for a in tok.get_added_tokens_decoder().values()}
+    bd = _byte_decoder()
+    pieces = [t.encode() if (t in added or any(c not in bd for c in t)) else bytes(bd[c] for c in t)
+              for t in inv]
+
+    def tid(key):
+        v = cfg.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        return vocab.get(v) if v else None
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return _finish(tok, pieces, template, tid("bos_token"), tid("eos_token"),
+                   bool(cfg.get("add_bos_token", False)))

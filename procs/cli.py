@@ -1,0 +1,92 @@
+"""`ricordo` command: generate, fetch-model, and the process entry points."""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _generate(argv) -> int:
+    from common.config import Settings
+    from common.messages import ParamError, SamplingParams, validate_sampling
+    from common.models import ModelError, load_text, resolve
+    from procs.inference.loader import ModelLoadError
+
+    ap = Settings.parser("generate", "ricordo generate")
+    ap.add_argument("--prompt", required=True, help="prompt text (raw, or a user message with --chat)")
+    ap.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=None)
+    a = ap.parse_args(argv)
+    s = Settings.from_args(a)
+    try:
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                                top_k=a.top_k, min_p=a.min_p, seed=a.seed)
+        validate_sampling(params)
+        from procs.inference.runtime import build, pick_dtype
+        pick_dtype(s.dtype, "cpu")
+        path = resolve(s.model, s.models_path())
+        text = load_text(path)
+        model, ctx, load_s = build(s)
+    except (ParamError, ModelError, ModelLoadError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from common.detok import Detokenizer
+    from procs.inference.model import KVSession
+    from procs.inference.sampling import Sampler
+
+    prompt = a.prompt
+    if a.chat:
+        prompt = text.render_chat([{"role": "user", "content": prompt}])
+    ids = text.encode(text.bos_text() + prompt.encode())
+    if len(ids) >= ctx:
+        print(f"error: prompt of {len(ids)} tokens does not fit the context of {ctx}", file=sys.stderr)
+        return 2
+    sess = KVSession(model, ctx, s.chunk_size)
+    t0 = time.perf_counter()
+    sess.prefill(ids)
+    t1 = time.perf_counter()
+    sampler, detok, n = Sampler(params), Detokenizer(text.pieces), 0
+    logits = sess.logits
+    for _ in range(min(params.max_tokens, ctx - len(ids))):
+        tok, _, _ = sampler(logits)
+        if tok in text.stop_ids:
+            break
+        n += 1
+        sys.stdout.write(detok.push(tok))
+        sys.stdout.flush()
+        if len(sess) >= ctx:
+            break
+        logits = sess.decode(tok)
+    t2 = time.perf_counter()
+    sys.stdout.write(detok.flush() + "\n")
+    print(f"[load {load_s:.2f} s | prefill {len(ids)} tok {len(ids) / (t1 - t0):.1f} tok/s | "
+          f"decode {n} tok {n / max(t2 - t1, 1e-9):.1f} tok/s | {model.dtype} on {model.device}]",
+          file=sys.stderr)
+    return 0
+
+
+def _fetch(argv) -> int:
+    from common.config import Settings
+    from common.models import fetch_default
+    s = Settings.load("generate", argv)
+    print(fetch_default(s.models_path()))
+    return 0
+
+
+COMMANDS = {"generate": _generate, "fetch-model": _fetch}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: ricordo {" + ",".join(COMMANDS) + "} ...", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Load a Llama-family checkpoint (GGUF, or a Hugging Face safetensors dir) into torch.
+
+Format quirks live here, never in forward(): GGUF stores Q/K rows permuted for llama.cpp's
+adjacent-pair RoPE, and we un-permute them to the Hugging Face half-split layout the model
+uses; quantized tensors are dequantized once, into the compute dtype.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from common.gguf_file import GGUFError, GGUFFile
+
+QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
+              "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layers: int
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    norm_eps: float
+    max_context: int
+    tied_embeddings: bool
+    quant_bits: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass
+class LoadedWeights:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]   # HF names, compute dtype
+    fingerprint: bytes                 # 16 bytes: architecture + dims + weight identity
+
+
+def _dequant(g: GGUFFile, name: str) -> torch.Tensor:
+    """Tensor in float32, shape in torch order ([rows, row_len])."""
+    info = g.tensors[name]
+    shape = tuple(reversed(info.shape))
+    raw = torch.from_numpy(g.raw(name).copy())
+    t = info.type_name
+    if t == "F32":
+        return raw.view(torch.float32).reshape(shape)
+    if t == "F16":
+        return raw.view(torch.float16).float().reshape(shape)
+    if t == "BF16":
+        return raw.view(torch.bfloat16).float().reshape(shape)
+    if t in ("Q4_0", "Q4_1", "Q8_0"):
+        bb = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[t]
+        blocks = raw.view(-1, bb)
+        d = blocks[:, 0:2].contiguous().view(torch.float16).float()           # [nb, 1]
+        if t == "Q8_0":
+            q = blocks[:, 2:].contiguous().view(torch.int8).float()          # [nb, 32]
+            return (q * d).reshape(shape)
+        off = 4 if t == "Q4_1" else 2
+        qs = blocks[:, off:]                                                  # [nb, 16]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()                   # [nb, 32]
+        if t == "Q4_1":
+            m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+            return (q * d + m).reshape(shape)
+        return ((q - 8) * d).reshape(shape)
+    from gguf.quants import dequantize   # K-quants and the rest: slower, but correct
+    from gguf.constants import GGMLQuantizationType
+    arr = dequantize(g.raw(name), GGMLQuantizationType(info.type_id))
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # [heads * head_dim, dim]: GGUF interleaves rotary pairs; HF keeps halves apart.
+    out, inp = w.shape
+    return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+def _fingerprint(cfg: ModelConfig, identity: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"llama\0" + cfg.to_json().encode() + b"\0" + identity)
+    return h.digest()
+
+
+def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
+    g = GGUFFile(path)
+    arch = g.arch()
+    if arch not in ("llama", "mistral"):
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (Llama family only)")
+    m = g.meta
+    p = arch + "."
+    try:
+        n_heads = int(m[p + "attention.head_count"])
+        dim = int(m[p + "embedding_length"])
+        emb = g.tensors["token_embd.weight"]
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: missing GGUF field {e}") from None
+    types = {}
+    for t in g.tensors.values():
+        if t.name.endswith(".weight") and len(t.shape) == 2:
+            types[t.type_name] = types.get(t.type_name, 0) + 1
+    main_type = max(types, key=types.get)
+    cfg = ModelConfig(
+        n_layers=int(m[p + "block_count"]), dim=dim, ffn_dim=int(m[p + "feed_forward_length"]),
+        n_heads=n_heads, n_kv_heads=int(m.get(p + "attention.head_count_kv", n_heads)),
+        head_dim=int(m.get(p + "attention.key_length", dim // n_heads)),
+        vocab_size=int(emb.shape[1]), rope_theta=float(m.get(p + "rope.freq_base", 10000.0)),
+        norm_eps=float(m[p + "attention.layer_norm_rms_epsilon"]),
+        max_context=int(m.get(p + "context_length", 4096)),
+        tied_embeddings="output.weight" not in g.tensors, quant_bits=QUANT_BITS.get(main_type, 0))
+    names = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
+    for i in range(cfg.n_layers):
+        for a, b in (("attn_norm", "attn_norm"), ("attn_q", "wq"), ("attn_k", "wk"),
+                     ("attn_v", "wv"), ("attn_output", "wo"), ("ffn_norm", "ffn_norm"),
+                     ("ffn_gate", "w_gate"), ("ffn_up", "w_up"), ("ffn_down", "w_down")):
+            names[f"blk.{i}.{a}.weight"] = f"layers.{i}.{b}"
+    tensors = {}
+    ident = hashlib.blake2b(digest_size=16)
+    for gname, ours in names.items():
+        if gname not in g.tensors:
+            if ours == "lm_head":
+                continue
+            raise ModelLoadError(f"{path}: missing tensor {gname}")
+        info = g.tensors[gname]
+        # identity: names, shapes and a sample of bytes from each tensor (cheap, stable)
+        raw = g.raw(gname)
+        ident.update(gname.encode() + str(info.shape).encode() + bytes(raw[:4096]) + bytes(raw[-4096:]))
+        w = _dequant(g, gname)
+        if ours.endswith(".wq"):
+            w = _unpermute(w, cfg.n_heads)
+        elif ours.endswith(".wk"):
+            w = _unpermute(w, cfg.n_kv_heads)
+        tensors[ours] = w.to(device=device, dtype=dtype)
+    return LoadedWeights(cfg, tensors, _fingerprint(cfg, ident.digest()))
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    out = {}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        base = 8 + n
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if meta["dtype"] not in dt:
+                raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
+            a, b = meta["data_offsets"]
+            buf = torch.from_numpy(np.array(data[base + a:base + b]))
+            out[name] = buf.view(dt[meta["dtype"]]).reshape(meta["shape"])
+    return out
+
+
+def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    if c.get("model_type") not in ("llama", "mistral"):
+        raise ModelLoadError(f"{path}: unsupported model_type {c.get('model_type')!r}")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files")
+    st = {}
+    for fp in files:
+        st.update(_read_safetensors(fp))
+    n_heads = c["num_attention_heads"]
+    cfg = ModelConfig(
+        n_layers=c["num_hidden_layers"], dim=c["hidden_size"], ffn_dim=c["intermediate_size"],
+        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
+        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, vocab_size=c["vocab_size"],
+        rope_theta=float(c.get("rope_theta", 10000.0)), norm_eps=float(c["rms_norm_eps"]),
+        max_context=int(c.get("max_position_embeddings", 4096)),
+        tied_embeddings="lm_head.weight" not in st, quant_bits=16)
+    names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
+             "lm_head.weight": "lm_head"}
+    for i in range(cfg.n_layers):
+        pre = f"model.layers.{i}."
+        for a, b in (("input_layernorm", "attn_norm"), ("self_attn.q_proj", "wq"),
+                     ("self_attn.k_proj", "wk"), ("self_attn.v_proj", "wv"),
+                     ("self_attn.o_proj", "wo"), ("post_attention_layernorm", "ffn_norm"),
+                     ("mlp.gate_proj", "w_gate"), ("mlp.up_proj", "w_up"),
+                     ("mlp.down_proj", "w_down")):
+            names[pre + a + ".weight"] = f"layers.{i}.{b}"
+    tensors = {}
+    ident = hashlib.blake2b(digest_size=16)
+    for hf, ours in names.items():
+        if hf not in st:
+            if ours == "lm_head":
+                continue
+            raise ModelLoadError(f"{path}: missing tensor {hf}")
+        w = st[hf]
+        ident.update(hf.encode() + str(tuple(w.shape)).encode() + w.flatten()[:2048].float().numpy().tobytes())
+        tensors[ours] = w.to(device=device, dtype=dtype)
+    return LoadedWeights(cfg, tensors, _fingerprint(cfg, ident.digest()))
+
+
+def load(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"{path}: a model directory needs config.json, *.safetensors, tokenizer.json")
+        return load_hf_dir(path, dtype, device)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: no such model file")
+    try:
+        return load_gguf(path, dtype, device)
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None

@@ -1,0 +1,163 @@
+"""Llama-family decoder in plain torch, and the KV session it fills.
+
+Shapes: T = tokens in this call, S = keys attended (position + T), H = query heads,
+KV = key/value heads, D = head dim. The K/V cache is preallocated for the whole context as
+[layers, KV, ctx, D]; row i holds absolute position i. Prefill runs in chunks whose
+boundaries are absolute multiples of the chunk size, so a prefill resumed from any aligned
+position runs exactly the kernels (same shapes, same order) an uninterrupted one runs, and
+its logits are bit-identical.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from procs.inference.loader import LoadedWeights, ModelConfig
+
+
+class Llama:
+    def __init__(self, w: LoadedWeights, max_context: int):
+        c = self.cfg = w.config
+        t = w.tensors
+        self.fingerprint = w.fingerprint
+        self.embed = t["embed"]                                    # [V, dim]
+        self.lm_head = t.get("lm_head", self.embed)                # tied when absent
+        self.norm = t["norm"]
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.layers = []
+        for i in range(c.n_layers):
+            p = f"layers.{i}."
+            self.layers.append((
+                t[p + "attn_norm"],
+                torch.cat([t[p + "wq"], t[p + "wk"], t[p + "wv"]]).contiguous(),   # [(H+2KV)*D, dim]
+                t[p + "wo"],
+                t[p + "ffn_norm"],
+                torch.cat([t[p + "w_gate"], t[p + "w_up"]]).contiguous(),         # [2*ffn, dim]
+                t[p + "w_down"],
+            ))
+        del w.tensors
+        # rotary tables in float32, cast once: [ctx, D] (HF half-split layout)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        ang = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)
+        ang = torch.cat([ang, ang], dim=-1)
+        self.cos = ang.cos().to(self.device, self.dtype)
+        self.sin = ang.sin().to(self.device, self.dtype)
+        self.max_context = max_context
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; cos/sin: [T, 1, D]
+        h = x.shape[-1] // 2
+        rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+        return x * cos + rot * sin
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor,
+                rows: list[int]) -> torch.Tensor:
+        """Run tokens ids[T] at absolute positions pos..pos+T-1, writing K/V into the caches.
+
+        Returns float32 logits [len(rows), V] for the given row indices into ids (0..T-1).
+        """
+        c = self.cfg
+        T, S = ids.shape[0], pos + ids.shape[0]
+        H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        x = F.embedding(ids, self.embed)                                       # [T, dim]
+        cos = self.cos[pos:S].unsqueeze(1)                                     # [T, 1, D]
+        sin = self.sin[pos:S].unsqueeze(1)
+        mask = None
+        if T > 1:  # causal, bottom-right aligned: query i sees keys 0..pos+i
+            mask = torch.full((T, S), float("-inf"), dtype=self.dtype, device=self.device)
+            mask = mask.triu_(pos + 1)
+        for li, (an, wqkv, wo, fn, wgu, wd) in enumerate(self.layers):
+            h = F.rms_norm(x, (c.dim,), an, c.norm_eps)
+            qkv = F.linear(h, wqkv)                                            # [T, (H+2KV)*D]
+            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+            q = self._rope(q.view(T, H, D), cos, sin)
+            k = self._rope(k.view(T, KV, D), cos, sin)
+            kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
+            vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
+            qh = q.transpose(0, 1).unsqueeze(0)                                # [1, H, T, D]
+            o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, :S], vc[li:li + 1, :, :S],
+                                               attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(o[0].transpose(0, 1).reshape(T, H * D), wo)       # [T, dim]
+            h = F.rms_norm(x, (c.dim,), fn, c.norm_eps)
+            g, u = F.linear(h, wgu).chunk(2, dim=-1)                           # [T, ffn] each
+            x = x + F.linear(F.silu(g) * u, wd)
+        x = x[rows]                                                            # only rows we need
+        x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
+        return F.linear(x, self.lm_head).float()                              # [len(rows), V]
+
+
+class KVSession:
+    """One sequence's K/V for the whole context, its token ids, and the next-token logits."""
+
+    def __init__(self, model: Llama, n_ctx: int, chunk: int):
+        c = model.cfg
+        if n_ctx > model.max_context:
+            raise ValueError(f"context {n_ctx} exceeds the rotary table ({model.max_context})")
+        self.model, self.n_ctx, self.chunk = model, n_ctx, chunk
+        shape = (c.n_layers, c.n_kv_heads, n_ctx, c.head_dim)
+        self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.tokens: list[int] = []
+        self.logits: torch.Tensor | None = None   # float32 [V], after the last token
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def boundaries(self, start: int, end: int, split_at=()) -> list[int]:
+        """Chunk ends from start to end: absolute multiples of chunk, plus split_at."""
+        ends = set(range((start // self.chunk + 1) * self.chunk, end, self.chunk))
+        ends |= {p for p in split_at if start < p < end}
+        ends.add(end)
+        return sorted(ends)
+
+    def prefill(self, ids: list[int], logits_at=(), split_at=(), on_chunk=None) -> dict[int, torch.Tensor]:
+        """Append ids. Returns {n: logits after the first n tokens} for each n in logits_at
+        within the new span; self.logits is the logits after the last token."""
+        start = len(self.tokens)
+        end = start + len(ids)
+        if end > self.n_ctx:
+            raise ValueError(f"{end} tokens exceed the context of {self.n_ctx}")
+        if not ids:
+            return {}
+        want = {n for n in logits_at if start < n <= end} | {end}
+        out, lo = {}, start
+        dev = self.model.device
+        for hi in self.boundaries(start, end, split_at):
+            chunk_ids = torch.tensor(ids[lo - start:hi - start], dtype=torch.long, device=dev)
+            need = sorted(n for n in want if lo < n <= hi)
+            logits = self.model.forward(chunk_ids, lo, self.k, self.v, [n - lo - 1 for n in need])
+            for n, row in zip(need, logits):
+                out[n] = row
+            self.tokens.extend(ids[lo - start:hi - start])
+            lo = hi
+            if on_chunk is not None:
+                on_chunk(hi - start, end - start)
+        self.logits = out[end]
+        return {n: v for n, v in out.items() if n in logits_at}
+
+    def decode(self, token: int) -> torch.Tensor:
+        self.prefill([token])
+        return self.logits
+
+    def truncate(self, k: int) -> None:
+        """Keep the first k tokens. Logits are unknown until a token is prefilled (None)."""
+        if k < len(self.tokens):
+            del self.tokens[k:]
+            self.logits = None
+
+    def export(self, n: int | None = None):
+        """Rows of the first n tokens as [layers, n, KV, D] copies (K, V)."""
+        n = len(self.tokens) if n is None else n
+        k = self.k[:, :, :n].transpose(1, 2).contiguous()
+        v = self.v[:, :, :n].transpose(1, 2).contiguous()
+        return list(self.tokens[:n]), k, v
+
+    def import_(self, tokens: list[int], logits: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = len(tokens)
+        if n > self.n_ctx:
+            raise ValueError("checkpoint larger than the context")
+        self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
+        self.v[:, :, :n] = v.to(self.v.device, self.v.dtype).transpose(1, 2)
+        self.tokens = list(tokens)
+        self.logits = None if logits is None else logits.to(self.model.device, torch.float32).clone()

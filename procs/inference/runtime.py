@@ -1,0 +1,49 @@
+"""Choosing device, dtype and threads, and building the model from settings."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from common.config import Settings
+from common.models import resolve
+from procs.inference.loader import load
+from procs.inference.model import Llama
+
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def pick_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") or cpu_has_fast_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (auto, bf16, f32, f16)")
+    return DTYPES[name]
+
+
+def build(s: Settings) -> tuple[Llama, int, float]:
+    """(model, context size, load seconds)."""
+    if s.threads > 0:
+        torch.set_num_threads(s.threads)
+    device = pick_device(s.device)
+    dtype = pick_dtype(s.dtype, device)
+    t0 = time.perf_counter()
+    w = load(resolve(s.model, s.models_path()), dtype, device)
+    ctx = min(s.ctx_size, w.config.max_context) if s.ctx_size > 0 else w.config.max_context
+    model = Llama(w, max(ctx, 1))
+    return model, ctx, time.perf_counter() - t0

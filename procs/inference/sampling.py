@@ -1,0 +1,48 @@
+"""Token sampling: greedy at temperature 0, else temperature / top-k / top-p / min-p.
+
+A request's seed drives its own torch.Generator, so a seeded run is reproducible whatever
+else the process did before. Log-probabilities are the model's (log-softmax of the raw
+logits), as OpenAI reports them, not of the filtered distribution.
+"""
+from __future__ import annotations
+
+import torch
+
+from common.messages import SamplingParams
+
+
+class Sampler:
+    def __init__(self, p: SamplingParams):
+        self.p = p
+        self.gen = None
+        if p.temperature > 0:
+            self.gen = torch.Generator(device="cpu")
+            self.gen.manual_seed(p.seed if p.seed is not None else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
+
+    def __call__(self, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
+        """logits: float32 [V]. Returns (token, its logprob, top alternatives [(id, logprob)])."""
+        p = self.p
+        logits = logits.float().cpu()
+        if p.temperature <= 0:
+            tok = int(torch.argmax(logits))
+        else:
+            x = logits / p.temperature
+            if 0 < p.top_k < x.shape[0]:
+                kth = torch.topk(x, p.top_k).values[-1]
+                x = x.masked_fill(x < kth, float("-inf"))
+            probs = torch.softmax(x, dim=-1)
+            if p.min_p > 0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            if p.top_p < 1.0:
+                sp, si = torch.sort(probs, descending=True)
+                cum = torch.cumsum(sp, dim=-1)
+                drop = (cum - sp) > p.top_p * cum[-1]     # keep the smallest set reaching top_p
+                sp = sp.masked_fill(drop, 0.0)
+                probs = torch.zeros_like(probs).scatter_(0, si, sp)
+            tok = int(torch.multinomial(probs, 1, generator=self.gen))
+        lp = torch.log_softmax(logits, dim=-1)
+        top = []
+        if p.top_logprobs > 0:
+            v, i = torch.topk(lp, p.top_logprobs)
+            top = list(zip(i.tolist(), v.tolist()))
+        return tok, float(lp[tok]), top
