@@ -32,9 +32,8 @@ class Settings:
     chunk_size: int = opt(512, "prefill chunk size; chunks end at absolute multiples of it", ("generate", "inference"))
     model_id: str = opt("", "model id served by /v1/models (default: file name without extension)", ("web", "renderer"))
     # process wiring
-    run_dir: str = opt("", "directory for sockets and shared memory names (default /tmp/ricordo-$PORT)",
-                       ("web", "renderer", "inference", "persister"))
-    port: int = opt(8000, "HTTP port (also names the default run dir)", ("web", "renderer", "inference", "persister"))
+    run_dir: str = opt("", "directory for sockets and shared-memory names (default: one per user and "
+                       "working directory under /tmp)", ("web", "renderer", "inference", "persister"))
     max_body_bytes: int = opt(8 << 20, "largest accepted request body", ("web",))
     max_queue: int = opt(64, "requests waiting for the model beyond which new ones get 429", ("renderer",))
     log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
@@ -99,6 +98,3 @@ class Settings:
     # derived values: computed here so no second place spells them
     def models_path(self) -> str:
         return self.models_dir or os.environ.get("RICORDO_MODELS") or os.path.join(_default_cache_root(), "models")
-
-    def run_path(self) -> str:
-        return self.run_dir or os.path.join("/tmp", f"ricordo-{self.port}")

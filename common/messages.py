@@ -35,3 +35,170 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+# ---------------------------------------------------------------------------------------
+# web <-> renderer. Each web worker has one DEALER socket connected to the renderer's
+# ROUTER; the ROUTER identity is the return route, `rid` names the request within it.
+
+class ToolCallFunction(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str                      # JSON text exactly as the client sent it
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    id: str
+    function: ToolCallFunction
+    type: str = "function"
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str                           # system, developer, user, assistant, tool
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
+    rid: str
+    kind: str                           # "chat" (messages rendered by template) | "completion"
+    sampling: SamplingParams
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str = ""
+    stop: tuple[str, ...] = ()
+    tools: str = ""                     # JSON of the OpenAI tools list (validated by web)
+    tool_choice: str = ""               # JSON of tool_choice
+    logprobs: bool = False
+
+
+class CancelRequest(msgspec.Struct, tag="cancel", frozen=True):
+    rid: str
+
+
+class PingRequest(msgspec.Struct, tag="ping", frozen=True):
+    rid: str
+
+
+RendererIn = GenerateRequest | CancelRequest | PingRequest
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Delta(msgspec.Struct, tag="delta", frozen=True):
+    rid: str
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class Finished(msgspec.Struct, tag="finished", frozen=True):
+    rid: str
+    finish_reason: str                  # stop | length | tool_calls | cancelled
+    usage: Usage
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    rid: str
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+    type: str = "invalid_request_error"
+
+
+class Health(msgspec.Struct, tag="health", frozen=True):
+    rid: str
+    ready: bool
+    model: str = ""
+    n_ctx: int = 0
+    device: str = ""
+    dtype: str = ""
+    detail: str = ""
+
+
+WebOut = Delta | Finished | Failed | Health
+
+
+# ---------------------------------------------------------------------------------------
+# renderer <-> inference: PUSH/PULL each way. The renderer holds the FIFO queue and sends
+# one Job at a time, so it always knows the live session it plans against; inference
+# re-checks the plan against its own state and falls back to a cold prefill if it differs.
+
+class Job(msgspec.Struct, tag="job", frozen=True):
+    rid: str
+    ids: tuple[int, ...]                # the whole effective prompt
+    reuse: int                          # planned live-session tokens to keep (prefix of ids)
+    sampling: SamplingParams
+
+
+class CancelJob(msgspec.Struct, tag="cancel_job", frozen=True):
+    rid: str
+
+
+class InferencePing(msgspec.Struct, tag="iping", frozen=True):
+    rid: str
+
+
+InferenceIn = Job | CancelJob | InferencePing
+
+
+class Begun(msgspec.Struct, tag="begun", frozen=True):
+    rid: str
+    cached: int                         # tokens actually reused
+    prompt_tokens: int
+
+
+class Progress(msgspec.Struct, tag="progress", frozen=True):
+    rid: str
+    done: int
+    total: int
+
+
+class Token(msgspec.Struct, tag="token", frozen=True):
+    rid: str
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class JobDone(msgspec.Struct, tag="job_done", frozen=True):
+    rid: str
+    reason: str                         # stop | length | cancelled
+    live: tuple[int, ...]               # the live session's token ids after this job
+
+
+class JobError(msgspec.Struct, tag="job_error", frozen=True):
+    rid: str
+    message: str
+    live: tuple[int, ...] = ()
+
+
+class InferenceHealth(msgspec.Struct, tag="ihealth", frozen=True):
+    rid: str
+    n_ctx: int
+    vocab_size: int
+    device: str
+    dtype: str
+    live_tokens: int
+
+
+InferenceOut = Begun | Progress | Token | JobDone | JobError | InferenceHealth
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def decoder(union) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(union)

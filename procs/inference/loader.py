@@ -50,6 +50,24 @@ class LoadedWeights:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]   # HF names, compute dtype
     fingerprint: bytes                 # 16 bytes: architecture + dims + weight identity
+    # 4-bit source weights kept as (q uint8 [N, K], scale f32 [N, K/32], min f32 [N, K/32])
+    # with w = q * scale + min, for the decode kernels (see model.Q4Linear)
+    q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+
+def _q4_parts(g: GGUFFile, name: str):
+    info = g.tensors[name]
+    n, k = info.shape[1], info.shape[0]
+    blocks = torch.from_numpy(g.raw(name).copy()).view(-1, 20 if info.type_name == "Q4_1" else 18)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float().view(n, k // 32)
+    off = 4 if info.type_name == "Q4_1" else 2
+    qs = blocks[:, off:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).reshape(n, k)
+    if info.type_name == "Q4_1":
+        mn = blocks[:, 2:4].contiguous().view(torch.float16).float().view(n, k // 32)
+    else:
+        mn = -8.0 * d
+    return q, d, mn
 
 
 def _dequant(g: GGUFFile, name: str) -> torch.Tensor:
@@ -128,7 +146,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
                      ("attn_v", "wv"), ("attn_output", "wo"), ("ffn_norm", "ffn_norm"),
                      ("ffn_gate", "w_gate"), ("ffn_up", "w_up"), ("ffn_down", "w_down")):
             names[f"blk.{i}.{a}.weight"] = f"layers.{i}.{b}"
-    tensors = {}
+    tensors, q4 = {}, {}
     ident = hashlib.blake2b(digest_size=16)
     for gname, ours in names.items():
         if gname not in g.tensors:
@@ -140,12 +158,14 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         raw = g.raw(gname)
         ident.update(gname.encode() + str(info.shape).encode() + bytes(raw[:4096]) + bytes(raw[-4096:]))
         w = _dequant(g, gname)
-        if ours.endswith(".wq"):
-            w = _unpermute(w, cfg.n_heads)
-        elif ours.endswith(".wk"):
-            w = _unpermute(w, cfg.n_kv_heads)
+        heads = {".wq": cfg.n_heads, ".wk": cfg.n_kv_heads}.get(ours[-3:])
+        if heads:
+            w = _unpermute(w, heads)
         tensors[ours] = w.to(device=device, dtype=dtype)
-    return LoadedWeights(cfg, tensors, _fingerprint(cfg, ident.digest()))
+        if info.type_name in ("Q4_0", "Q4_1") and ours.startswith("layers."):
+            parts = _q4_parts(g, gname)
+            q4[ours] = tuple(_unpermute(x, heads) for x in parts) if heads else parts
+    return LoadedWeights(cfg, tensors, _fingerprint(cfg, ident.digest()), q4)
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -206,7 +226,7 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         w = st[hf]
         ident.update(hf.encode() + str(tuple(w.shape)).encode() + w.flatten()[:2048].float().numpy().tobytes())
         tensors[ours] = w.to(device=device, dtype=dtype)
-    return LoadedWeights(cfg, tensors, _fingerprint(cfg, ident.digest()))
+    return LoadedWeights(cfg, tensors, _fingerprint(cfg, ident.digest()), {})
 
 
 def load(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:

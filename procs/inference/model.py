@@ -15,6 +15,38 @@ import torch.nn.functional as F
 from procs.inference.loader import LoadedWeights, ModelConfig
 
 
+# Decode (a few rows) is bound by weight bytes read; 4-bit packed weights read 4x fewer
+# bytes than bf16. Prefill is compute-bound and keeps the bf16 matmul.
+Q4_MAX_ROWS = 4
+
+
+class Q4Linear:
+    """A bf16 weight plus, when the source was 4-bit, torch's packed int4 copy of it."""
+
+    def __init__(self, w: torch.Tensor, parts=None):
+        self.w = w
+        self.packed = None
+        if parts is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16 \
+                and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+            q, scale, mn = parts                                # [N, K], [N, K/32] x2
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            # torch's int4 dequant is (q - 8) * scale + zero, ours q * scale + min
+            self.sz = torch.stack([scale.t(), (mn + 8 * scale).t()], dim=-1).to(w.dtype).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= Q4_MAX_ROWS:
+            return torch._weight_int4pack_mm_for_cpu(x, self.packed, 32, self.sz)
+        return F.linear(x, self.w)
+
+
+def _fuse(parts_list, tensors):
+    """Concatenate weights along the output dim; the 4-bit parts too when all have them."""
+    w = torch.cat(tensors).contiguous()
+    if all(p is not None for p in parts_list):
+        return Q4Linear(w, tuple(torch.cat(xs) for xs in zip(*parts_list)))
+    return Q4Linear(w)
+
+
 class Llama:
     def __init__(self, w: LoadedWeights, max_context: int):
         c = self.cfg = w.config
@@ -25,17 +57,21 @@ class Llama:
         self.norm = t["norm"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.layers = []
+        q4 = w.q4 or {}
         for i in range(c.n_layers):
             p = f"layers.{i}."
+
+            def fused(*names):
+                return _fuse([q4.get(p + n) for n in names], [t[p + n] for n in names])
             self.layers.append((
                 t[p + "attn_norm"],
-                torch.cat([t[p + "wq"], t[p + "wk"], t[p + "wv"]]).contiguous(),   # [(H+2KV)*D, dim]
-                t[p + "wo"],
+                fused("wq", "wk", "wv"),                       # [(H+2KV)*D, dim]
+                fused("wo"),
                 t[p + "ffn_norm"],
-                torch.cat([t[p + "w_gate"], t[p + "w_up"]]).contiguous(),         # [2*ffn, dim]
-                t[p + "w_down"],
+                fused("w_gate", "w_up"),                       # [2*ffn, dim]
+                fused("w_down"),
             ))
-        del w.tensors
+        del w.tensors, w.q4
         # rotary tables in float32, cast once: [ctx, D] (HF half-split layout)
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         ang = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)
@@ -69,7 +105,7 @@ class Llama:
             mask = mask.triu_(pos + 1)
         for li, (an, wqkv, wo, fn, wgu, wd) in enumerate(self.layers):
             h = F.rms_norm(x, (c.dim,), an, c.norm_eps)
-            qkv = F.linear(h, wqkv)                                            # [T, (H+2KV)*D]
+            qkv = wqkv(h)                                            # [T, (H+2KV)*D]
             q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
             q = self._rope(q.view(T, H, D), cos, sin)
             k = self._rope(k.view(T, KV, D), cos, sin)
@@ -78,12 +114,14 @@ class Llama:
             qh = q.transpose(0, 1).unsqueeze(0)                                # [1, H, T, D]
             o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, :S], vc[li:li + 1, :, :S],
                                                attn_mask=mask, enable_gqa=True)
-            x = x + F.linear(o[0].transpose(0, 1).reshape(T, H * D), wo)       # [T, dim]
+            x = x + wo(o[0].transpose(0, 1).reshape(T, H * D))       # [T, dim]
             h = F.rms_norm(x, (c.dim,), fn, c.norm_eps)
-            g, u = F.linear(h, wgu).chunk(2, dim=-1)                           # [T, ffn] each
-            x = x + F.linear(F.silu(g) * u, wd)
+            g, u = wgu(h).chunk(2, dim=-1)                           # [T, ffn] each
+            x = x + wd(F.silu(g) * u)
         x = x[rows]                                                            # only rows we need
         x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
+        if x.shape[0] == 1 and x.device.type == "cpu":   # matrix-vector is ~1.8x faster here
+            return torch.mv(self.lm_head, x[0]).float().unsqueeze(0)
         return F.linear(x, self.lm_head).float()                              # [len(rows), V]
 
 
