@@ -96,6 +96,12 @@ class Usage(msgspec.Struct, frozen=True):
     cached_tokens: int
 
 
+class Accepted(msgspec.Struct, tag="accepted", frozen=True):
+    """The prompt rendered, tokenized and fits: the web may commit to a 200 / start SSE."""
+    rid: str
+    prompt_tokens: int
+
+
 class Delta(msgspec.Struct, tag="delta", frozen=True):
     rid: str
     text: str = ""
@@ -127,7 +133,7 @@ class Health(msgspec.Struct, tag="health", frozen=True):
     detail: str = ""
 
 
-WebOut = Delta | Finished | Failed | Health
+WebOut = Accepted | Delta | Finished | Failed | Health
 
 
 # ---------------------------------------------------------------------------------------

@@ -62,6 +62,11 @@ def resolve(model: str, models_dir: str) -> str:
     return path
 
 
+def served_model_id(explicit_id: str, model: str) -> str:
+    """The id /v1/models shows: --model-id, else the model's file or directory name."""
+    return explicit_id or model_id(model or DEFAULT_FILE)
+
+
 def model_id(path: str) -> str:
     base = os.path.basename(os.path.normpath(path))
     return base[:-5] if base.endswith(".gguf") else base
