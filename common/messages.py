@@ -120,7 +120,7 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     message: str
     code: str | None = None
     param: str | None = None
-    type: str = "invalid_request_error"
+    err_type: str = "invalid_request_error"
 
 
 class Health(msgspec.Struct, tag="health", frozen=True):
