@@ -176,6 +176,7 @@ class Token(msgspec.Struct, tag="token", frozen=True):
     id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    finish: str = ""                    # set on the last token: stop | length
 
 
 class JobDone(msgspec.Struct, tag="job_done", frozen=True):

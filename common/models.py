@@ -81,3 +81,18 @@ def load_text(path: str) -> TextModel:
         return from_gguf(GGUFFile(path))
     except (GGUFError, TokenizerError) as e:
         raise ModelError(str(e)) from None
+
+
+def context_size(path: str, requested: int) -> int:
+    """The context every process uses: the requested size capped at the model's own."""
+    if os.path.isdir(path):
+        import json
+        with open(os.path.join(path, "config.json")) as f:
+            limit = int(json.load(f).get("max_position_embeddings", 4096))
+    else:
+        try:
+            g = GGUFFile(path)
+        except GGUFError as e:
+            raise ModelError(str(e)) from None
+        limit = int(g.meta.get(f"{g.arch()}.context_length", 4096))
+    return min(requested, limit) if requested > 0 else limit

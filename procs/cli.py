@@ -77,7 +77,15 @@ def _fetch(argv) -> int:
     return 0
 
 
-COMMANDS = {"generate": _generate, "fetch-model": _fetch}
+def _proc(name: str):
+    def start(argv) -> int:
+        import importlib
+        return importlib.import_module(f"procs.{name}.server").run(argv)
+    return start
+
+
+COMMANDS = {"generate": _generate, "fetch-model": _fetch,
+            "renderer": _proc("renderer"), "inference": _proc("inference")}
 
 
 def main(argv=None) -> int:

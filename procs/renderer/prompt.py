@@ -1,0 +1,112 @@
+"""Turning requests into prompt bytes, and generated tokens back into text.
+
+Knows text and tokens, nothing of tensors. The prompt bytes are what the token ids stand
+for (their pieces concatenated), so they are also the cache text of any checkpoint taken
+from them.
+"""
+from __future__ import annotations
+
+from common import messages as m
+from common.detok import Detokenizer
+from common.tokenizer import TextModel
+
+
+class PromptError(ValueError):
+    def __init__(self, param: str | None, message: str, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+def _message_dict(msg: m.ChatMessage) -> dict:
+    role = "system" if msg.role == "developer" else msg.role
+    d = {"role": role, "content": msg.content}
+    if msg.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function",
+                            "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                           for c in msg.tool_calls]
+    if msg.tool_call_id:
+        d["tool_call_id"] = msg.tool_call_id
+    if msg.name:
+        d["name"] = msg.name
+    return d
+
+
+def render(text: TextModel, req: m.GenerateRequest) -> bytes:
+    if req.kind == "completion":
+        return text.bos_text() + req.prompt.encode("utf-8", "surrogatepass")
+    try:
+        rendered = text.render_chat([_message_dict(x) for x in req.messages], add_generation_prompt=True)
+    except Exception as e:  # a template that raises on this conversation: the client's input
+        raise PromptError("messages", f"the chat template rejected the messages: {e}") from None
+    return text.bos_text() + rendered.encode("utf-8", "surrogatepass")
+
+
+class TextStream:
+    """Incremental text of a generation with stop strings: text that could be the start of
+    a stop string is held back until it is known not to be one."""
+
+    def __init__(self, text: TextModel, stops: tuple[str, ...]):
+        self.detok = Detokenizer(text.pieces)
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.stopped = False
+
+    def push(self, tok: int) -> str:
+        return self._emit(self.detok.push(tok))
+
+    def flush(self) -> str:
+        out = self._emit(self.detok.flush())
+        out += self.held if not self.stopped else ""
+        self.held = ""
+        return out
+
+    def _emit(self, new: str) -> str:
+        if self.stopped:
+            return ""
+        buf = self.held + new
+        if not self.stops:
+            self.held = ""
+            return buf
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self.held = ""
+            return buf[:cut]
+        keep = 0   # longest tail of buf that is a proper prefix of some stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+
+def plan_reuse(text: TextModel, prompt: bytes, full: list[int], live: list[int],
+               min_tokens: int) -> tuple[list[int], int]:
+    """(effective prompt ids, live tokens to keep), in the pipeline's order of preference:
+    live ids a prefix of the prompt's; live text a byte prefix of the prompt (the suffix is
+    tokenized alone, live ids stay authoritative); longest common token prefix >= min."""
+    if not live:
+        return full, 0
+    n = len(live)
+    if full[:n] == live:
+        return full, n
+    live_text = text.piece_bytes(live)
+    if prompt.startswith(live_text):
+        return live + text.encode(prompt[len(live_text):]), n
+    k = 0
+    for a, b in zip(full, live):
+        if a != b:
+            break
+        k += 1
+    return full, (k if k >= min_tokens else 0)
+
+
+def token_logprob(text: TextModel, tok: int, lp: float, top) -> m.TokenLogprob:
+    def piece(i: int):
+        b = text.pieces[i]
+        return b.decode("utf-8", "replace"), tuple(b)
+    s, b = piece(tok)
+    return m.TokenLogprob(token=s, bytes=b, logprob=lp,
+                          top=tuple((*piece(i), v) for i, v in top))

@@ -1,0 +1,255 @@
+"""The renderer process: requests in from every web worker, jobs out to inference.
+
+Knows text and tokens, nothing of tensors. It renders and tokenizes prompts, holds the one
+FIFO queue of requests for the model, mirrors the live session's token ids (inference
+reports them after every job) to plan reuse, and turns Token events into text deltas,
+stop strings and usage for the web worker that asked (its ROUTER identity is the route).
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from common import messages as m
+from common.config import Settings
+from common.lifecycle import StopFlag
+from common.logs import setup
+from common.models import ModelError, context_size, load_text, resolve, served_model_id
+from common.sockets import INFERENCE_JOBS, RENDERER, RENDERER_EVENTS, address
+from procs.renderer.prompt import PromptError, TextStream, plan_reuse, render, token_logprob
+
+HEALTH_FRESH_S = 5.0      # inference counts as up if it said anything this recently
+JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (inference died)
+
+
+@dataclass
+class Pending:
+    route: bytes
+    req: m.GenerateRequest
+    prompt: bytes
+    full: list[int]
+    ids: list[int] = field(default_factory=list)
+    cached: int = 0
+    n_generated: int = 0
+    stream: TextStream | None = None
+    finished: bool = False          # the web has its Finished/Failed; ignore further tokens
+
+
+class Renderer:
+    def __init__(self, s: Settings, log):
+        self.s, self.log = s, log
+        path = resolve(s.model, s.models_path())
+        self.text = load_text(path)
+        self.n_ctx = context_size(path, s.ctx_size)
+        self.model_id = served_model_id(s.model_id, s.model)
+        ctx = zmq.Context.instance()
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.bind(address(s, RENDERER))
+        self.events = ctx.socket(zmq.PULL)
+        self.events.bind(address(s, RENDERER_EVENTS))
+        self.jobs = ctx.socket(zmq.PUSH)
+        self.jobs.setsockopt(zmq.LINGER, 0)
+        self.jobs.setsockopt(zmq.SNDHWM, 100)
+        self.jobs.connect(address(s, INFERENCE_JOBS))
+        self.enc = m.encoder()
+        self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.InferenceOut)
+        self.queue: collections.deque[Pending] = collections.deque()
+        self.current: Pending | None = None
+        self.current_since = 0.0
+        self.live: list[int] = []
+        self.inference: m.InferenceHealth | None = None
+        self.last_heard = 0.0
+        self.last_ping = 0.0
+        self.stop = StopFlag()
+        log.info("ready: %s, context %d, %d tokens in vocabulary", self.model_id, self.n_ctx,
+                 self.text.vocab_size)
+
+    # -- plumbing --
+    def to_web(self, route: bytes, msg) -> None:
+        try:
+            self.router.send_multipart([route, self.enc.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass   # that web worker is gone; nothing to deliver to
+
+    def to_inference(self, msg) -> None:
+        try:
+            self.jobs.send(self.enc.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.log.warning("inference not reachable; dropped %s", type(msg).__name__)
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.events, zmq.POLLIN)
+        while not self.stop:
+            ready = dict(poller.poll(200))
+            if self.events in ready:
+                while self.events.poll(0):
+                    self.on_event(self.dec_ev.decode(self.events.recv()))
+            if self.router in ready:
+                while self.router.poll(0):
+                    route, raw = self.router.recv_multipart()
+                    self.on_request(route, raw)
+            self.housekeeping()
+        self.log.info("stopping")
+        return 0
+
+    def housekeeping(self) -> None:
+        now = time.monotonic()
+        if now - self.last_ping > 1.0:
+            self.last_ping = now
+            self.to_inference(m.InferencePing(rid="renderer"))
+        cur = self.current
+        if cur is not None and now - self.current_since > JOB_SILENCE_S:
+            self.log.error("job %s: no word from inference for %.0f s; failing it", cur.req.rid, JOB_SILENCE_S)
+            self.fail(cur, 503, "the inference process stopped answering", code="inference_unavailable",
+                      err_type="server_error")
+            self.live = []          # unknown now; inference re-checks every plan anyway
+            self.current = None
+            self.dispatch()
+
+    # -- web requests --
+    def on_request(self, route: bytes, raw: bytes) -> None:
+        try:
+            msg = self.dec_in.decode(raw)
+        except Exception as e:
+            self.log.warning("undecodable request from web: %s", e)
+            return
+        if isinstance(msg, m.PingRequest):
+            fresh = self.inference is not None and time.monotonic() - self.last_heard < HEALTH_FRESH_S
+            i = self.inference
+            self.to_web(route, m.Health(rid=msg.rid, ready=fresh, model=self.model_id, n_ctx=self.n_ctx,
+                                        device=i.device if i else "", dtype=i.dtype if i else "",
+                                        detail="" if fresh else "inference process not answering yet"))
+        elif isinstance(msg, m.CancelRequest):
+            self.cancel(msg.rid)
+        else:
+            self.admit(route, msg)
+
+    def admit(self, route: bytes, req: m.GenerateRequest) -> None:
+        try:
+            m.validate_sampling(req.sampling)
+            prompt = render(self.text, req)
+            full = self.text.encode(prompt)
+            if not full:
+                raise PromptError("prompt" if req.kind == "completion" else "messages", "the prompt is empty")
+            if len(full) >= self.n_ctx:
+                raise PromptError("messages" if req.kind == "chat" else "prompt",
+                                  f"This model's maximum context length is {self.n_ctx} tokens, but the "
+                                  f"prompt has {len(full)} tokens (at least one more is needed to answer).",
+                                  code="context_length_exceeded")
+            if len(self.queue) >= self.s.max_queue:
+                raise PromptError(None, "too many requests are waiting; retry later", code="queue_full", status=429)
+        except m.ParamError as e:
+            self.to_web(route, m.Failed(rid=req.rid, status=400, message=str(e), param=e.param))
+            return
+        except PromptError as e:
+            self.to_web(route, m.Failed(rid=req.rid, status=e.status, message=str(e), code=e.code, param=e.param))
+            return
+        self.to_web(route, m.Accepted(rid=req.rid, prompt_tokens=len(full)))
+        self.queue.append(Pending(route, req, prompt, full))
+        self.dispatch()
+
+    def cancel(self, rid: str) -> None:
+        for p in list(self.queue):
+            if p.req.rid == rid:
+                self.queue.remove(p)
+                return
+        if self.current is not None and self.current.req.rid == rid:
+            self.current.finished = True
+            self.to_inference(m.CancelJob(rid=rid))
+
+    def dispatch(self) -> None:
+        if self.current is not None or not self.queue:
+            return
+        p = self.queue.popleft()
+        ids, reuse = plan_reuse(self.text, p.prompt, p.full, self.live, self.s.kv_cache_min_tokens)
+        if len(ids) >= self.n_ctx:   # the live-text split can tokenize longer than the whole
+            ids, reuse = p.full, 0
+        p.ids = ids
+        sp = p.req.sampling
+        budget = min(sp.max_tokens, self.n_ctx - len(ids))
+        sampling = m.SamplingParams(max_tokens=budget, temperature=sp.temperature, top_p=sp.top_p,
+                                    top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed,
+                                    top_logprobs=sp.top_logprobs,
+                                    stop_ids=tuple(sorted(self.text.stop_ids)))
+        p.stream = TextStream(self.text, p.req.stop)
+        self.current, self.current_since = p, time.monotonic()
+        self.to_inference(m.Job(rid=p.req.rid, ids=tuple(ids), reuse=reuse, sampling=sampling))
+
+    # -- inference events --
+    def on_event(self, ev) -> None:
+        self.last_heard = time.monotonic()
+        if isinstance(ev, m.InferenceHealth):
+            self.inference = ev
+            return
+        p = self.current
+        if p is None or ev.rid != p.req.rid:
+            return   # a late event of a job already failed here
+        self.current_since = time.monotonic()
+        if isinstance(ev, m.Begun):
+            p.cached = ev.cached
+        elif isinstance(ev, m.Token):
+            self.on_token(p, ev)
+        elif isinstance(ev, m.JobDone):
+            if not p.finished:     # cancelled by inference itself (shutdown)
+                self.finish(p, "length" if ev.reason == "length" else "stop")
+            self.live = list(ev.live)
+            self.current = None
+            self.dispatch()
+        elif isinstance(ev, m.JobError):
+            self.fail(p, 500, ev.message, err_type="server_error")
+            self.live = list(ev.live)
+            self.current = None
+            self.dispatch()
+
+    def on_token(self, p: Pending, ev: m.Token) -> None:
+        if p.finished:
+            return
+        if ev.id < 0:       # no room to generate at all
+            self.finish(p, ev.finish or "length")
+            return
+        p.n_generated += 1
+        is_stop_tok = ev.id in self.text.stop_ids
+        text = "" if is_stop_tok else p.stream.push(ev.id)
+        lps = ()
+        if p.req.logprobs:
+            lps = (token_logprob(self.text, ev.id, ev.logprob, ev.top),)
+        if p.stream.stopped:   # a stop string: end here, and stop the model
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps))
+            self.finish(p, "stop")
+            self.to_inference(m.CancelJob(rid=p.req.rid))
+            return
+        if text or lps:
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps))
+        if ev.finish:
+            self.finish(p, ev.finish)
+
+    def finish(self, p: Pending, reason: str) -> None:
+        tail = p.stream.flush() if p.stream else ""
+        if tail:
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail))
+        usage = m.Usage(prompt_tokens=len(p.ids), completion_tokens=p.n_generated, cached_tokens=p.cached)
+        self.to_web(p.route, m.Finished(rid=p.req.rid, finish_reason=reason, usage=usage))
+        p.finished = True
+
+    def fail(self, p: Pending, status: int, message: str, code=None, err_type="server_error") -> None:
+        if not p.finished:
+            self.to_web(p.route, m.Failed(rid=p.req.rid, status=status, message=message, code=code,
+                                          err_type=err_type))
+            p.finished = True
+
+
+def run(argv=None) -> int:
+    s = Settings.load("renderer", argv)
+    log = setup("renderer", s.log_level)
+    try:
+        r = Renderer(s, log)
+    except ModelError as e:
+        log.error("%s", e)
+        return 2
+    return r.run()
