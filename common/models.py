@@ -95,4 +95,8 @@ def context_size(path: str, requested: int) -> int:
         except GGUFError as e:
             raise ModelError(str(e)) from None
         limit = int(g.meta.get(f"{g.arch()}.context_length", 4096))
+    return cap_context(requested, limit)
+
+
+def cap_context(requested: int, limit: int) -> int:
     return min(requested, limit) if requested > 0 else limit

@@ -6,7 +6,7 @@ import time
 import torch
 
 from common.config import Settings
-from common.models import resolve
+from common.models import cap_context, resolve
 from procs.inference.loader import load
 from procs.inference.model import Llama
 
@@ -43,7 +43,8 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     device = pick_device(s.device)
     dtype = pick_dtype(s.dtype, device)
     t0 = time.perf_counter()
-    w = load(resolve(s.model, s.models_path()), dtype, device)
-    ctx = min(s.ctx_size, w.config.max_context) if s.ctx_size > 0 else w.config.max_context
+    path = resolve(s.model, s.models_path())
+    w = load(path, dtype, device)
+    ctx = cap_context(s.ctx_size, w.config.max_context)
     model = Llama(w, max(ctx, 1))
     return model, ctx, time.perf_counter() - t0
