@@ -1,0 +1,86 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+
+Knows HTTP statuses and the OpenAI error schema; nothing of tokens. Every error the web
+process answers, falcon's own (404 route, 405 method) included, goes through here; an
+unexpected exception becomes a 500 in the same shape, never a traceback.
+"""
+from __future__ import annotations
+
+import logging
+
+import falcon
+import msgspec
+
+from common.messages import Failed
+
+log = logging.getLogger("web")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error"}
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class ApiError(falcon.HTTPError):
+    """An HTTP error with the OpenAI fields; raise it anywhere in a responder."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 err_type: str | None = None, headers: dict | None = None):
+        super().__init__(status, title=message, headers=headers)
+        self.message = message
+        self.param = param
+        self.oa_code = code
+        self.err_type = err_type or error_type(status)
+
+    def body(self) -> dict:
+        return error_body(self.message, self.err_type, self.param, self.oa_code)
+
+
+def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_failed(ev: Failed) -> ApiError:
+    return ApiError(ev.status, ev.message, param=ev.param, code=ev.code, err_type=ev.err_type)
+
+
+def failed_body(ev: Failed) -> dict:
+    return error_body(ev.message, ev.err_type, ev.param, ev.code)
+
+
+def _falcon_body(req: falcon.Request, ex: falcon.HTTPError) -> dict:
+    status = ex.status_code
+    if isinstance(ex, ApiError):
+        return ex.body()
+    if isinstance(ex, falcon.HTTPRouteNotFound) or (status == 404 and not ex.description):
+        message = f"Invalid URL ({req.method} {req.path})"
+    elif isinstance(ex, falcon.HTTPMethodNotAllowed):
+        message = f"Method {req.method} is not allowed for {req.path}"
+    else:
+        message = ex.description or ex.title or "error"
+    return error_body(message, error_type(status), None, None)
+
+
+def serialize_error(req: falcon.Request, resp: falcon.Response, ex: falcon.HTTPError) -> None:
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = msgspec.json.encode(_falcon_body(req, ex))
+
+
+async def handle_unexpected(req, resp, ex, params) -> None:
+    log.exception("unexpected error in %s %s", req.method, req.path, exc_info=ex)
+    resp.status = 500
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = msgspec.json.encode(error_body("internal server error", "server_error"))
+
+
+def install(app) -> None:
+    app.set_error_serializer(serialize_error)
+    app.add_error_handler(Exception, handle_unexpected)

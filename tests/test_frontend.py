@@ -1,0 +1,639 @@
+"""The web frontend against a scripted fake backend (no renderer, no model), and the ZeroMQ
+backend against a fake renderer ROUTER."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from common.config import Settings
+from common.messages import (Accepted, CancelRequest, Delta, Failed, Finished, GenerateRequest, Health,
+                             PingRequest, RendererIn, SamplingParams, TokenLogprob, Usage)
+from common.sockets import RENDERER, address
+from procs.frontend import app as app_mod
+from procs.frontend.app import create_app
+from procs.frontend.backend import NOT_ANSWERING, ZmqBackend
+from procs.frontend.schema import UNTIL_FULL
+
+MODEL = "test-model"
+USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=0)
+
+
+def lp(tok: str, v: float, top=()) -> TokenLogprob:
+    return TokenLogprob(token=tok, bytes=tuple(tok.encode()), logprob=v, top=tuple(top))
+
+
+def ok_script(rid, req):
+    return [Accepted(rid=rid, prompt_tokens=7),
+            Delta(rid=rid, text="Hel", logprobs=(lp("Hel", -0.5, [("Hel", (72, 101, 108), -0.5), ("Hi", (72, 105), -1.5)]),)),
+            Delta(rid=rid, text="lo", logprobs=(lp("lo", -0.25, [("lo", (108, 111), -0.25)]),)),
+            Delta(rid=rid, text="!", logprobs=(lp("!", float("-inf")),)),
+            Finished(rid=rid, finish_reason="stop", usage=USAGE)]
+
+
+class FakeBackend:
+    """ZmqBackend's API; `script(rid, req)` lists the events (a float = sleep that long,
+    None = wait forever)."""
+
+    def __init__(self, script=ok_script, health=None):
+        self.script = script
+        self.requests: list[GenerateRequest] = []
+        self.cancelled: list[str] = []
+        self.closed: list[str] = []
+        self.health_result = health or Health(rid="x", ready=True, model=MODEL, n_ctx=2048, device="cpu",
+                                              dtype="float32")
+
+    async def submit(self, req):
+        self.requests.append(req)
+        try:
+            for ev in self.script(req.rid, req):
+                if ev is None:
+                    await asyncio.Event().wait()
+                elif isinstance(ev, float):
+                    await asyncio.sleep(ev)
+                else:
+                    yield ev
+        finally:
+            self.closed.append(req.rid)
+
+    async def cancel(self, rid):
+        self.cancelled.append(rid)
+
+    async def health(self, timeout=1.0):
+        return self.health_result
+
+
+class Resp:
+    def __init__(self, r: httpx.Response):
+        self.status_code, self.headers, self.text = r.status_code, r.headers, r.text
+
+    @property
+    def json(self):
+        return json.loads(self.text)
+
+
+class Client:
+    """Synchronous calls through httpx's ASGI transport (which, unlike falcon's TestClient,
+    keeps the simulated client connected until the response is complete)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def request(self, method, path, json=None, body=None, headers=None) -> Resp:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t") as hc:
+                return Resp(await hc.request(method, path, json=json, content=body, headers=headers))
+        return asyncio.run(go())
+
+    def simulate_post(self, path, **kw) -> Resp:
+        return self.request("POST", path, **kw)
+
+    def simulate_get(self, path, **kw) -> Resp:
+        return self.request("GET", path, **kw)
+
+
+def make(script=ok_script, **kw):
+    s = Settings(model_id=MODEL, max_body_bytes=kw.pop("max_body_bytes", 1 << 16), **kw)
+    be = FakeBackend(script)
+    return be, Client(create_app(be, s))
+
+
+def chat_body(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def sse(text: str) -> list:
+    """The data of each event; comments as ('comment', text)."""
+    out = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        for line in block.split("\n"):
+            if line.startswith(":"):
+                out.append(("comment", line[1:].strip()))
+            elif line.startswith("data: "):
+                d = line[6:]
+                out.append(d if d == "[DONE]" else json.loads(d))
+    return out
+
+
+def err(r, status, param=None, code=None, etype="invalid_request_error"):
+    assert r.status_code == status, r.text
+    e = r.json["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    assert (e["type"], e["param"], e["code"]) == (etype, param, code), e
+    return e
+
+
+# -- chat ---------------------------------------------------------------------------------
+
+def test_chat_whole():
+    be, c = make()
+    r = c.simulate_post("/v1/chat/completions", json=chat_body(max_tokens=5, temperature=0.7, top_p=0.9,
+                                                               top_k=40, min_p=0.05, seed=3, stop="\n"))
+    assert r.status_code == 200
+    d = r.json
+    assert d["object"] == "chat.completion" and d["id"].startswith("chatcmpl-") and d["model"] == MODEL
+    ch = d["choices"][0]
+    assert ch["index"] == 0 and ch["message"]["role"] == "assistant" and ch["message"]["content"] == "Hello!"
+    assert ch["logprobs"] is None and ch["finish_reason"] == "stop"
+    assert d["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
+    req = be.requests[0]
+    assert req.kind == "chat" and req.stop == ("\n",) and not req.logprobs
+    assert req.sampling == SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=3)
+    assert req.messages[0].role == "user" and req.messages[0].content == "hi"
+
+
+def test_chat_defaults_and_message_forms():
+    be, c = make()
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "developer", "content": "dev"},
+            {"role": "user", "content": "q", "name": "bob"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\":1}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = c.simulate_post("/v1/chat/completions", json={"messages": msgs, "tools": tools, "tool_choice": "auto",
+                                                      "max_completion_tokens": 9, "n": 1})
+    assert r.status_code == 200, r.text
+    req = be.requests[0]
+    assert [m.role for m in req.messages] == ["system", "developer", "user", "assistant", "tool"]
+    assert req.messages[0].content == "a\nb" and req.messages[2].name == "bob"
+    call = req.messages[3].tool_calls[0]
+    assert (call.id, call.function.name, call.function.arguments) == ("c1", "f", '{"x":1}')
+    assert req.messages[3].content == "" and req.messages[4].tool_call_id == "c1"
+    assert json.loads(req.tools) == tools and json.loads(req.tool_choice) == "auto"
+    assert req.sampling.max_tokens == 9
+    r = c.simulate_post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert be.requests[1].sampling.max_tokens == UNTIL_FULL and be.requests[1].tools == ""
+
+
+def test_chat_logprobs_whole():
+    be, c = make()
+    r = c.simulate_post("/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=2))
+    assert r.status_code == 200
+    content = r.json["choices"][0]["logprobs"]["content"]
+    assert [x["token"] for x in content] == ["Hel", "lo", "!"]
+    assert content[0] == {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108],
+                          "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
+                                           {"token": "Hi", "logprob": -1.5, "bytes": [72, 105]}]}
+    assert content[2]["logprob"] == -9999.0
+    assert be.requests[0].logprobs and be.requests[0].sampling.top_logprobs == 2
+
+
+def test_chat_stream():
+    be, c = make()
+    r = c.simulate_post("/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    ev = sse(r.text)
+    assert ev[-1] == "[DONE]"
+    chunks = ev[:-1]
+    for ch in chunks:
+        assert ch["object"] == "chat.completion.chunk" and ch["model"] == MODEL and ch["id"] == chunks[0]["id"]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["usage"] is None
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+    assert text == "Hello!"
+    fin = chunks[-2]["choices"][0]
+    assert fin["finish_reason"] == "stop" and fin["delta"] == {}
+    assert all(ch["choices"][0]["finish_reason"] is None for ch in chunks[:-2])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 10
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_chat_stream_no_usage_and_logprobs():
+    be, c = make()
+    r = c.simulate_post("/v1/chat/completions", json=chat_body(stream=True, logprobs=True))
+    ev = sse(r.text)
+    assert ev[-1] == "[DONE]"
+    assert all("usage" not in ch for ch in ev[:-1])
+    assert ev[-2]["choices"][0]["finish_reason"] == "stop"
+    assert ev[1]["choices"][0]["logprobs"]["content"][0]["token"] == "Hel"
+
+
+def test_stream_keepalive(monkeypatch):
+    monkeypatch.setattr(app_mod, "KEEPALIVE_S", 0.02)
+
+    def slow(rid, req):
+        return [Accepted(rid=rid, prompt_tokens=1), 0.15, Delta(rid=rid, text="x"),
+                Finished(rid=rid, finish_reason="length", usage=USAGE)]
+    be, c = make(slow)
+    ev = sse(c.simulate_post("/v1/chat/completions", json=chat_body(stream=True)).text)
+    assert ("comment", "keepalive") in ev
+    assert ev[-1] == "[DONE]" and ev[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_failed_before_stream_is_http_error():
+    def fail(rid, req):
+        return [Failed(rid=rid, status=400, message="too long", code="context_length_exceeded", param="messages")]
+    for stream in (False, True):
+        be, c = make(fail)
+        r = c.simulate_post("/v1/chat/completions", json=chat_body(stream=stream))
+        err(r, 400, "messages", "context_length_exceeded")
+        assert r.headers["content-type"].startswith("application/json")
+
+    def busy(rid, req):
+        return [Failed(rid=rid, status=429, message="busy", code="queue_full", err_type="rate_limit_error")]
+    be, c = make(busy)
+    err(c.simulate_post("/v1/completions", json={"prompt": "x", "stream": True}), 429, None, "queue_full",
+        "rate_limit_error")
+
+
+def test_failed_after_stream_start():
+    def mid(rid, req):
+        return [Accepted(rid=rid, prompt_tokens=1), Delta(rid=rid, text="a"),
+                Failed(rid=rid, status=500, message="boom", err_type="server_error")]
+    be, c = make(mid)
+    r = c.simulate_post("/v1/chat/completions", json=chat_body(stream=True))
+    assert r.status_code == 200
+    ev = sse(r.text)
+    assert "[DONE]" not in ev
+    assert ev[-1] == {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}
+    assert ev[1]["choices"][0]["delta"] == {"content": "a"}
+    assert be.cancelled == []      # it ended; nothing to cancel
+
+
+# -- completions --------------------------------------------------------------------------
+
+def test_completions_whole_and_logprobs():
+    be, c = make()
+    r = c.simulate_post("/v1/completions", json={"model": MODEL, "prompt": ["Once"], "max_tokens": 3,
+                                                 "logprobs": 2})
+    assert r.status_code == 200, r.text
+    d = r.json
+    assert d["object"] == "text_completion" and d["id"].startswith("cmpl-")
+    ch = d["choices"][0]
+    assert ch["text"] == "Hello!" and ch["index"] == 0 and ch["finish_reason"] == "stop"
+    assert ch["logprobs"] == {"tokens": ["Hel", "lo", "!"], "token_logprobs": [-0.5, -0.25, -9999.0],
+                              "top_logprobs": [{"Hel": -0.5, "Hi": -1.5}, {"lo": -0.25}, {}],
+                              "text_offset": [0, 3, 5]}
+    assert d["usage"]["total_tokens"] == 10
+    req = be.requests[0]
+    assert req.kind == "completion" and req.prompt == "Once" and req.logprobs and req.sampling.top_logprobs == 2
+    r = c.simulate_post("/v1/completions", json={"prompt": "x"})
+    assert r.json["choices"][0]["logprobs"] is None and not be.requests[1].logprobs
+
+
+def test_completions_stream():
+    be, c = make()
+    r = c.simulate_post("/v1/completions", json={"prompt": "x", "stream": True, "logprobs": 0,
+                                                 "stream_options": {"include_usage": True}})
+    ev = sse(r.text)
+    assert ev[-1] == "[DONE]"
+    assert all(e["object"] == "text_completion" for e in ev[:-1])
+    assert "".join(e["choices"][0]["text"] for e in ev[:-1] if e["choices"]) == "Hello!"
+    assert ev[0]["choices"][0]["logprobs"]["tokens"] == ["Hel"]
+    assert ev[1]["choices"][0]["logprobs"]["text_offset"] == [3]
+    assert ev[-3]["choices"][0]["finish_reason"] == "stop"
+    assert ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == 3
+
+
+# -- models, health, routing, auth ---------------------------------------------------------
+
+def test_models():
+    be, c = make()
+    d = c.simulate_get("/v1/models").json
+    assert d["object"] == "list" and [m["id"] for m in d["data"]] == [MODEL]
+    assert d["data"][0]["object"] == "model"
+    assert c.simulate_get(f"/v1/models/{MODEL}").json["id"] == MODEL
+    err(c.simulate_get("/v1/models/other"), 404, "model", "model_not_found")
+
+
+def test_health():
+    be, c = make()
+    r = c.simulate_get("/health")
+    assert r.status_code == 200
+    assert r.json == {"status": "ok", "model": MODEL, "n_ctx": 2048, "device": "cpu", "dtype": "float32"}
+    be.health_result = Health(rid="x", ready=False, detail="inference process not answering yet")
+    r = c.simulate_get("/health")
+    assert r.status_code == 503 and r.json["status"] == "loading" and r.json["detail"]
+    be.health_result = Health(rid="x", ready=False, detail=NOT_ANSWERING)
+    r = c.simulate_get("/health")
+    assert r.status_code == 503 and r.json == {"status": "unavailable", "detail": NOT_ANSWERING}
+
+
+def test_routing_errors():
+    be, c = make()
+    e = err(c.simulate_get("/v1/nothing"), 404)
+    assert "/v1/nothing" in e["message"]
+    r = c.simulate_get("/v1/chat/completions")
+    err(r, 405)
+    assert "POST" in r.headers["allow"]
+
+
+def test_api_key():
+    be = FakeBackend()
+    c = Client(create_app(be, Settings(model_id=MODEL, api_key="sekrit")))
+    err(c.simulate_get("/v1/models"), 401, None, "invalid_api_key", "authentication_error")
+    err(c.simulate_post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer nope"}),
+        401, None, "invalid_api_key", "authentication_error")
+    assert c.simulate_get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+    r = c.simulate_post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer sekrit"})
+    assert r.status_code == 200
+    assert c.simulate_get("/health").status_code == 200
+    assert be.requests and len(be.requests) == 1
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+BAD_CHAT = [
+    ({"messages": []}, "messages", None),
+    ({}, "messages", None),
+    ({"messages": "hi"}, "messages", None),
+    ({"messages": ["hi"]}, "messages[0]", None),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", None),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", None),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", None),
+    ({"messages": [{"role": "system", "content": None}]}, "messages[0].content", None),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type", None),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", None),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}]},
+     "messages[0].tool_calls[0].function.arguments", None),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", None),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", None),
+    (chat_body(n=2), "n", None),
+    (chat_body(temperature="hot"), "temperature", None),
+    (chat_body(temperature=-1), "temperature", None),
+    (chat_body(top_p=0), "top_p", None),
+    (chat_body(top_k=-1), "top_k", None),
+    (chat_body(min_p=2), "min_p", None),
+    (chat_body(max_tokens=-1), "max_tokens", None),
+    (chat_body(max_tokens="5"), "max_tokens", None),
+    (chat_body(max_completion_tokens=-2), "max_completion_tokens", None),
+    (chat_body(max_tokens=True), "max_tokens", None),
+    (chat_body(seed=1.5), "seed", None),
+    (chat_body(seed=1 << 70), "seed", None),
+    (chat_body(stop=["a", "b", "c", "d", "e"]), "stop", None),
+    (chat_body(stop=5), "stop", None),
+    (chat_body(logprobs="yes"), "logprobs", None),
+    (chat_body(logprobs=True, top_logprobs=21), "top_logprobs", None),
+    (chat_body(top_logprobs=2), "top_logprobs", None),
+    (chat_body(stream="yes"), "stream", None),
+    (chat_body(stream=True, stream_options=[]), "stream_options", None),
+    (chat_body(tools={"a": 1}), "tools", None),
+    (chat_body(tool_choice=3), "tool_choice", None),
+    (chat_body(model=3), "model", None),
+]
+
+
+@pytest.mark.parametrize("body,param,code", BAD_CHAT)
+def test_bad_chat(body, param, code):
+    be, c = make()
+    err(c.simulate_post("/v1/chat/completions", json=body), 400, param, code)
+    assert be.requests == []
+
+
+BAD_COMPLETION = [
+    ({}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": "2"}, "logprobs"),
+    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "temperature": 101}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETION)
+def test_bad_completion(body, param):
+    be, c = make()
+    err(c.simulate_post("/v1/completions", json=body), 400, param)
+
+
+def test_bad_bodies():
+    be, c = make(max_body_bytes=1000)
+    for raw in (b"{nope", b"", b"[1, 2]", b'"x"', b'{"prompt": 1e999}', b'{"prompt": "\\ud800"}'):
+        err(c.simulate_post("/v1/completions", body=raw, headers={"Content-Type": "application/json"}), 400)
+    deep = b'{"a":' * 100000 + b"1" + b"}" * 100000
+    err(make(max_body_bytes=1 << 20)[1].simulate_post("/v1/completions", body=deep), 400)
+    big = json.dumps(chat_body(messages=[{"role": "user", "content": "x" * 2000}]))
+    err(c.simulate_post("/v1/chat/completions", body=big), 413, None, "request_too_large")
+
+    # no Content-Length: the limit holds while reading
+    out = asyncio.run(raw_call(c.app, [b"{" + b" " * 600, b" " * 600 + b"}"]))
+    assert out["status"] == 413 and json.loads(b"".join(out["chunks"]))["error"]["code"] == "request_too_large"
+    e = err(c.simulate_post("/v1/chat/completions", json=chat_body(model="gpt-4")), 404, "model", "model_not_found")
+    assert "gpt-4" in e["message"]
+
+
+def test_unexpected_exception_is_500():
+    def broken(rid, req):
+        raise RuntimeError("bug")
+    be, c = make(broken)
+    err(c.simulate_post("/v1/chat/completions", json=chat_body()), 500, etype="server_error")
+
+
+async def raw_call(app, chunks: list[bytes], path="/v1/chat/completions"):
+    """One POST through the ASGI app, the body in `chunks`, no Content-Length."""
+    body = list(chunks)
+    out = {"status": None, "chunks": []}
+
+    async def receive():
+        if body:
+            return {"type": "http.request", "body": body.pop(0), "more_body": bool(body)}
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            out["status"] = msg["status"]
+        elif msg.get("body"):
+            out["chunks"].append(msg["body"])
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    return out
+
+
+# -- disconnect ---------------------------------------------------------------------------
+
+async def drive(app, body: dict, after_first_body=None, disconnect_after: float | None = None):
+    """Run one request through the ASGI app; the client disconnects once the first body chunk
+    came (streamed) or after `disconnect_after` seconds."""
+    raw = json.dumps(body).encode()
+    gone = asyncio.Event()
+    sent_body = False
+    out = {"status": None, "chunks": []}
+
+    async def receive():
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            out["status"] = msg["status"]
+        elif msg["type"] == "http.response.body" and msg.get("body"):
+            out["chunks"].append(msg["body"])
+            if after_first_body is not None:
+                gone.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                                (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 80)}
+    if disconnect_after is not None:
+        asyncio.get_running_loop().call_later(disconnect_after, gone.set)
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    return out
+
+
+def hang(rid, req):
+    return [Accepted(rid=rid, prompt_tokens=1), Delta(rid=rid, text="a"), None]
+
+
+def test_disconnect_mid_stream_cancels():
+    be = FakeBackend(hang)
+    app = create_app(be, Settings(model_id=MODEL))
+    out = asyncio.run(drive(app, chat_body(stream=True), after_first_body=True))
+    assert out["status"] == 200
+    assert be.cancelled == [be.requests[0].rid] and be.closed == [be.requests[0].rid]
+
+
+def test_disconnect_while_waiting_whole_cancels():
+    be = FakeBackend(hang)
+    app = create_app(be, Settings(model_id=MODEL))
+    asyncio.run(drive(app, chat_body(), disconnect_after=0.05))
+    assert be.cancelled == [be.requests[0].rid] and be.closed == [be.requests[0].rid]
+
+
+def test_disconnect_before_accepted_cancels():
+    be = FakeBackend(lambda rid, req: [None])
+    app = create_app(be, Settings(model_id=MODEL))
+    asyncio.run(drive(app, chat_body(stream=True), disconnect_after=0.05))
+    assert be.cancelled == [be.requests[0].rid]
+
+
+# -- the official client -------------------------------------------------------------------
+
+def test_openai_client_parses():
+    openai = pytest.importorskip("openai")
+    be = FakeBackend()
+    app = create_app(be, Settings(model_id=MODEL, api_key="k"))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as hc:
+            cl = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=hc, max_retries=0)
+            r = await cl.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 logprobs=True, top_logprobs=1)
+            assert r.choices[0].message.content == "Hello!" and r.usage.total_tokens == 10
+            assert r.usage.prompt_tokens_details.cached_tokens == 0
+            assert r.choices[0].logprobs.content[0].top_logprobs[1].token == "Hi"
+            s = await cl.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 stream=True, stream_options={"include_usage": True})
+            parts, usage = [], None
+            async for ch in s:
+                if ch.choices:
+                    parts.append(ch.choices[0].delta.content or "")
+                if ch.usage:
+                    usage = ch.usage
+            assert "".join(parts) == "Hello!" and usage.completion_tokens == 3
+            t = await cl.completions.create(model=MODEL, prompt="x", logprobs=1)
+            assert t.choices[0].text == "Hello!" and t.choices[0].logprobs.tokens == ["Hel", "lo", "!"]
+            models = await cl.models.list()
+            assert [m.id async for m in models] == [MODEL]
+            with pytest.raises(openai.NotFoundError):
+                await cl.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+            with pytest.raises(openai.BadRequestError) as ei:
+                await cl.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+            assert ei.value.param == "n"
+            bad = openai.AsyncOpenAI(base_url="http://t/v1", api_key="wrong", http_client=hc, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await bad.models.list()
+    asyncio.run(go())
+
+
+# -- ZmqBackend against a fake renderer ------------------------------------------------------
+
+def test_zmq_backend(tmp_path):
+    s = Settings(run_dir=str(tmp_path))
+
+    async def go():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(address(s, RENDERER))
+        dec, enc = msgspec.msgpack.Decoder(RendererIn), msgspec.msgpack.Encoder()
+        seen = []
+
+        async def renderer():
+            while True:
+                route, raw = await router.recv_multipart()
+                msg = dec.decode(raw)
+                seen.append(msg)
+                if isinstance(msg, PingRequest):
+                    out = [Health(rid=msg.rid, ready=True, model="m", n_ctx=99)]
+                elif isinstance(msg, GenerateRequest) and msg.prompt == "hang":
+                    out = [Accepted(rid=msg.rid, prompt_tokens=1)]
+                elif isinstance(msg, GenerateRequest):
+                    out = [Accepted(rid=msg.rid, prompt_tokens=2), Delta(rid="someone-else", text="?"),
+                           Delta(rid=msg.rid, text="hi"), Finished(rid=msg.rid, finish_reason="stop", usage=USAGE)]
+                else:
+                    out = []
+                for m in out:
+                    await router.send_multipart([route, enc.encode(m)])
+        task = asyncio.create_task(renderer())
+        be = ZmqBackend(s, idle_check=0.2, idle_ping_timeout=0.5)
+        try:
+            await be.start()
+            h = await be.health(timeout=2.0)
+            assert h.ready and h.n_ctx == 99
+            req = GenerateRequest(rid="r1", kind="completion", sampling=SamplingParams(), prompt="x")
+            evs = [ev async for ev in be.submit(req)]
+            assert [type(e) for e in evs] == [Accepted, Delta, Finished] and evs[1].text == "hi"
+            # a request left early is cancelled
+            it = be.submit(GenerateRequest(rid="r2", kind="completion", sampling=SamplingParams(), prompt="hang"))
+            assert isinstance(await it.__anext__(), Accepted)
+            await it.aclose()
+            await asyncio.sleep(0.05)
+            assert any(isinstance(m, CancelRequest) and m.rid == "r2" for m in seen)
+            await be.cancel("r3")
+            await asyncio.sleep(0.05)
+            assert any(isinstance(m, CancelRequest) and m.rid == "r3" for m in seen)
+            # the renderer dies while a request waits: the idle check notices and fails it
+            it = be.submit(GenerateRequest(rid="r4", kind="completion", sampling=SamplingParams(), prompt="hang"))
+            assert isinstance(await it.__anext__(), Accepted)
+            task.cancel()
+            ev = await asyncio.wait_for(it.__anext__(), 3)
+            assert isinstance(ev, Failed) and ev.status == 503
+            await it.aclose()
+        finally:
+            task.cancel()
+            await be.close()
+            router.close(0)
+            ctx.term()
+    asyncio.run(go())
+
+
+def test_zmq_backend_no_renderer(tmp_path):
+    s = Settings(run_dir=str(tmp_path))
+
+    async def go():
+        be = ZmqBackend(s, send_timeout=0.1)
+        try:
+            h = await be.health(timeout=0.2)
+            assert not h.ready and h.detail == NOT_ANSWERING
+            evs = [e async for e in be.submit(GenerateRequest(rid="r", kind="completion",
+                                                              sampling=SamplingParams(), prompt="x"))]
+            assert len(evs) == 1 and isinstance(evs[0], Failed) and evs[0].status == 503
+        finally:
+            await be.close()
+    asyncio.run(go())
