@@ -108,9 +108,16 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-def _fingerprint(cfg: ModelConfig, identity: bytes) -> bytes:
+def fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> bytes:
+    """16 bytes naming the model, not its quantization: the geometry plus the RMSNorm
+    weights, which every GGUF quantization keeps in F32 and a safetensors dir holds
+    exactly, so Q4 and Q8 files (and the HF original) of one model agree, and two
+    fine-tunes of one shape do not."""
+    dims = {k: v for k, v in asdict(cfg).items() if k not in ("quant_bits", "max_context")}
     h = hashlib.blake2b(digest_size=16)
-    h.update(b"llama\0" + cfg.to_json().encode() + b"\0" + identity)
+    h.update(b"llama\0" + json.dumps(dims, sort_keys=True).encode())
+    for name in sorted(n for n in tensors if n.endswith("norm")):
+        h.update(name.encode() + tensors[name].float().cpu().numpy().tobytes())
     return h.digest()
 
 
@@ -147,16 +154,12 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
                      ("ffn_gate", "w_gate"), ("ffn_up", "w_up"), ("ffn_down", "w_down")):
             names[f"blk.{i}.{a}.weight"] = f"layers.{i}.{b}"
     tensors, q4 = {}, {}
-    ident = hashlib.blake2b(digest_size=16)
     for gname, ours in names.items():
         if gname not in g.tensors:
             if ours == "lm_head":
                 continue
             raise ModelLoadError(f"{path}: missing tensor {gname}")
         info = g.tensors[gname]
-        # identity: names, shapes and a sample of bytes from each tensor (cheap, stable)
-        raw = g.raw(gname)
-        ident.update(gname.encode() + str(info.shape).encode() + bytes(raw[:4096]) + bytes(raw[-4096:]))
         w = _dequant(g, gname)
         heads = {".wq": cfg.n_heads, ".wk": cfg.n_kv_heads}.get(ours[-3:])
         if heads:
@@ -165,7 +168,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         if info.type_name in ("Q4_0", "Q4_1") and ours.startswith("layers."):
             parts = _q4_parts(g, gname)
             q4[ours] = tuple(_unpermute(x, heads) for x in parts) if heads else parts
-    return LoadedWeights(cfg, tensors, _fingerprint(cfg, ident.digest()), q4)
+    return LoadedWeights(cfg, tensors, fingerprint(cfg, tensors), q4)
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -217,16 +220,14 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
                      ("mlp.down_proj", "w_down")):
             names[pre + a + ".weight"] = f"layers.{i}.{b}"
     tensors = {}
-    ident = hashlib.blake2b(digest_size=16)
     for hf, ours in names.items():
         if hf not in st:
             if ours == "lm_head":
                 continue
             raise ModelLoadError(f"{path}: missing tensor {hf}")
         w = st[hf]
-        ident.update(hf.encode() + str(tuple(w.shape)).encode() + w.flatten()[:2048].float().numpy().tobytes())
         tensors[ours] = w.to(device=device, dtype=dtype)
-    return LoadedWeights(cfg, tensors, _fingerprint(cfg, ident.digest()), {})
+    return LoadedWeights(cfg, tensors, fingerprint(cfg, tensors), {})
 
 
 def load(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:

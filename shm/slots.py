@@ -1,0 +1,108 @@
+"""Shared-memory slots that carry a checkpoint from inference to the persister.
+
+    slot file  /dev/shm/ricordo-<run-dir tag>-<i>, capacity = body_bytes(n_ctx)
+    +--------------+------------------+-------------------------------+--------------------
+    | tokens u32[n]| logits f32[vocab]| layer 0: K[n,KV,D] V[n,KV,D]  | layer 1: K V | ...
+    +--------------+------------------+-------------------------------+--------------------
+    bytes [0, body_bytes(n)) are exactly the .kv payload between the fingerprint and the
+    checksum (KV-FORMAT.md section 4), so the persister writes them out as they are.
+
+    FREE --inference copies rows, sends SaveCheckpoint--> BUSY --persister writes the file,
+    sends SlotFreed--> FREE
+
+Who: inference creates the files at start (removing stale ones of its tag first), writes
+only FREE slots, and unlinks them at exit. The persister maps a BUSY slot read-only and
+never writes it. A persister that (re)starts says so, and inference frees every slot.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import mmap
+import os
+
+import torch
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+def prefix(run_dir: str) -> str:
+    return "ricordo-" + hashlib.sha1(os.path.realpath(run_dir).encode()).hexdigest()[:12]
+
+
+def slot_path(run_dir: str, i: int) -> str:
+    return os.path.join(SHM_DIR, f"{prefix(run_dir)}-{i}")
+
+
+def body_bytes(n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, esize: int) -> int:
+    return 4 * n + 4 * vocab + 2 * layers * n * kv_heads * head_dim * esize
+
+
+class SlotPool:
+    """Inference side: the slots, which are busy, and copying a session's rows in."""
+
+    def __init__(self, run_dir: str, count: int, capacity: int):
+        for stale in glob.glob(os.path.join(SHM_DIR, prefix(run_dir) + "-*")):
+            os.unlink(stale)
+        self.paths, self.maps = [], []
+        for i in range(count):
+            path = slot_path(run_dir, i)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, capacity)   # tmpfs pages are only taken when written
+                self.maps.append(mmap.mmap(fd, capacity))
+            finally:
+                os.close(fd)
+            self.paths.append(path)
+        self.busy: set[int] = set()
+
+    def free_slot(self) -> int | None:
+        return next((i for i in range(len(self.paths)) if i not in self.busy), None)
+
+    def write(self, i: int, tokens: list[int], logits: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              n: int) -> int:
+        """Copy the first n rows of K/V caches [layers, KV, ctx, D] into slot i; returns bytes."""
+        assert i not in self.busy
+        L, KV, _, D = k.shape
+        es = k.element_size()
+        buf = torch.frombuffer(self.maps[i], dtype=torch.uint8)
+        off = 0
+
+        def view(nbytes: int, dtype, shape):
+            nonlocal off
+            t = buf[off:off + nbytes].view(dtype).view(shape)
+            off += nbytes
+            return t
+        view(4 * n, torch.int32, (n,)).copy_(torch.tensor(tokens[:n], dtype=torch.int32))
+        view(4 * logits.numel(), torch.float32, (logits.numel(),)).copy_(logits.float())
+        rows = n * KV * D * es
+        for layer in range(L):
+            view(rows, k.dtype, (n, KV, D)).copy_(k[layer, :, :n].transpose(0, 1))
+            view(rows, v.dtype, (n, KV, D)).copy_(v[layer, :, :n].transpose(0, 1))
+        self.busy.add(i)
+        return off
+
+    def release(self, i: int) -> None:
+        self.busy.discard(i)
+
+    def close(self) -> None:
+        for mm in self.maps:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        for p in self.paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+def read_slot(path: str, nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    """Persister side: map a busy slot read-only; the caller closes the map when done."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return mm, memoryview(mm)[:nbytes]
