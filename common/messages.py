@@ -141,11 +141,21 @@ WebOut = Accepted | Delta | Finished | Failed | Health
 # one Job at a time, so it always knows the live session it plans against; inference
 # re-checks the plan against its own state and falls back to a cold prefill if it differs.
 
+class SavePoint(msgspec.Struct, frozen=True):
+    pos: int                            # checkpoint after this many prompt tokens
+    reason: int                         # kvfile.COLD / CONTINUED / EVICT / SHUTDOWN
+
+
 class Job(msgspec.Struct, tag="job", frozen=True):
     rid: str
-    ids: tuple[int, ...]                # the whole effective prompt
+    ids: tuple[int, ...]                # the whole effective prompt (also the cold fallback)
     reuse: int                          # planned live-session tokens to keep (prefix of ids)
     sampling: SamplingParams
+    restore: str = ""                   # sha1 of a checkpoint to restore instead of the live session
+    restore_tokens: int = 0             # its token count, as the index says
+    suffix: tuple[int, ...] = ()        # prompt tokens after the restored checkpoint's text
+    saves: tuple[SavePoint, ...] = ()   # prompt-side checkpoints (cold, continued)
+    evict: bool = False                 # save the whole live session before replacing it
 
 
 class CancelJob(msgspec.Struct, tag="cancel_job", frozen=True):
@@ -156,13 +166,24 @@ class InferencePing(msgspec.Struct, tag="iping", frozen=True):
     rid: str
 
 
-InferenceIn = Job | CancelJob | InferencePing
+class SlotFreed(msgspec.Struct, tag="slot_freed", frozen=True):
+    slot: int
+
+
+class PersisterHello(msgspec.Struct, tag="persister_hello", frozen=True):
+    """A (re)started persister: every slot it may have been reading is free again."""
+    pid: int
+
+
+InferenceIn = Job | CancelJob | InferencePing | SlotFreed | PersisterHello
 
 
 class Begun(msgspec.Struct, tag="begun", frozen=True):
     rid: str
     cached: int                         # tokens actually reused
     prompt_tokens: int
+    source: str = "cold"                # live | disk | cold
+    detail: str = ""                    # why a planned restore fell back to cold
 
 
 class Progress(msgspec.Struct, tag="progress", frozen=True):
@@ -198,9 +219,63 @@ class InferenceHealth(msgspec.Struct, tag="ihealth", frozen=True):
     device: str
     dtype: str
     live_tokens: int
+    quant_bits: int = 0
 
 
-InferenceOut = Begun | Progress | Token | JobDone | JobError | InferenceHealth
+class IndexEntry(msgspec.Struct, frozen=True):
+    sha1: str
+    text_len: int
+    n_tokens: int
+    quant_bits: int
+    ctx_size: int
+    size: int
+    last_used: int
+
+
+class IndexSnapshot(msgspec.Struct, tag="index", frozen=True):
+    """The persister's whole index, sent on every change and every few seconds."""
+    entries: tuple[IndexEntry, ...]
+    version: int
+
+
+InferenceOut = Begun | Progress | Token | JobDone | JobError | InferenceHealth | IndexSnapshot
+
+
+# ---------------------------------------------------------------------------------------
+# inference -> persister (PUSH/PULL). The rows travel in a shared-memory slot (shm/).
+
+class SaveCheckpoint(msgspec.Struct, tag="save", frozen=True):
+    slot: int
+    slot_path: str
+    nbytes: int                         # body bytes in the slot (shm.slots.body_bytes)
+    tokens: tuple[int, ...]             # the checkpoint's token ids (also in the slot)
+    reason: int
+    ctx_size: int
+    chunk_size: int
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: int
+    quant_bits: int
+    fingerprint: bytes
+
+
+class Restored(msgspec.Struct, tag="restored", frozen=True):
+    sha1: str
+
+
+class Rejected(msgspec.Struct, tag="rejected", frozen=True):
+    sha1: str
+    reason: str
+
+
+class InferenceBye(msgspec.Struct, tag="bye", frozen=True):
+    """Inference is exiting; no more saves will come."""
+    pid: int
+
+
+PersisterIn = SaveCheckpoint | Restored | Rejected | InferenceBye
 
 
 def encoder() -> msgspec.msgpack.Encoder:

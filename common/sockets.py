@@ -26,3 +26,4 @@ def address(s: Settings, name: str) -> str:
 RENDERER = "renderer"          # ROUTER, bound by the renderer; web workers connect
 INFERENCE_JOBS = "inference"   # PULL, bound by inference; the renderer pushes jobs
 RENDERER_EVENTS = "events"     # PULL, bound by the renderer; inference pushes events
+PERSISTER = "persister"       # PULL, bound by the persister; inference pushes saves

@@ -85,7 +85,8 @@ def _proc(name: str):
 
 
 COMMANDS = {"generate": _generate, "fetch-model": _fetch,
-            "renderer": _proc("renderer"), "inference": _proc("inference")}
+            "renderer": _proc("renderer"), "inference": _proc("inference"),
+            "persister": _proc("persister")}
 
 
 def main(argv=None) -> int:

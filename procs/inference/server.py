@@ -12,11 +12,15 @@ import time
 
 import zmq
 
+from common import kvfile
 from common import messages as m
 from common.config import Settings
 from common.lifecycle import StopFlag
 from common.logs import setup
-from common.sockets import INFERENCE_JOBS, RENDERER_EVENTS, address
+from common.policy import continued_frontiers
+from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER_EVENTS, address, run_dir
+from common.trace import Trace
+from procs.inference.disk import Disk, RestoreError
 from procs.inference.model import KVSession
 from procs.inference.runtime import build
 from procs.inference.sampling import Sampler
@@ -39,7 +43,13 @@ class Worker:
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 1000)
         self.push.connect(address(s, RENDERER_EVENTS))
+        self.to_persister = ctx.socket(zmq.PUSH)
+        self.to_persister.setsockopt(zmq.LINGER, 2000)
+        self.to_persister.connect(address(s, PERSISTER))
         self.enc, self.dec = m.encoder(), m.decoder(m.InferenceIn)
+        self.trace = Trace(s.trace, "inference")
+        self.disk = Disk(s, self.model, self.n_ctx, run_dir(s), self.send_persister, self.drain, log)
+        self.last_frontier = 0   # the live session's last continued checkpoint position
         self.jobs: collections.deque[m.Job] = collections.deque()
         self.cancelled: set[str] = set()
         self.stop = StopFlag()
@@ -47,13 +57,18 @@ class Worker:
     def send(self, msg) -> None:
         self.push.send(self.enc.encode(msg))
 
+    def send_persister(self, msg) -> None:
+        self.to_persister.send(self.enc.encode(msg))
+
     def health(self, rid: str) -> m.InferenceHealth:
         return m.InferenceHealth(rid=rid, n_ctx=self.n_ctx, vocab_size=self.model.cfg.vocab_size,
                                  device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
-                                 live_tokens=len(self.live))
+                                 live_tokens=len(self.live), quant_bits=self.model.cfg.quant_bits)
 
-    def drain(self, timeout_ms: int = 0) -> None:
-        """Read every waiting message: jobs queue up, cancels are noted, pings answered."""
+    def drain(self, timeout_ms: float = 0) -> None:
+        """Read every waiting message: jobs queue up, cancels are noted, pings answered,
+        freed slots released."""
+        timeout_ms = int(timeout_ms * 1000) if isinstance(timeout_ms, float) else timeout_ms
         while self.pull.poll(timeout_ms):
             timeout_ms = 0
             msg = self.dec.decode(self.pull.recv())
@@ -61,6 +76,10 @@ class Worker:
                 self.jobs.append(msg)
             elif isinstance(msg, m.CancelJob):
                 self.cancelled.add(msg.rid)
+            elif isinstance(msg, m.SlotFreed):
+                self.disk.slot_freed(msg.slot)
+            elif isinstance(msg, m.PersisterHello):
+                self.disk.all_free()
             else:
                 self.send(self.health(msg.rid))
 
@@ -85,8 +104,17 @@ class Worker:
                     self.live.truncate(0)
                     self.send(m.JobError(rid=job.rid, message=f"inference error: {e}", live=()))
                 self.cancelled.discard(job.rid)
-        self.log.info("stopping")
+        self.shutdown()
         return 0
+
+    def shutdown(self) -> None:
+        live = self.live
+        if self.disk.enabled and len(live) >= self.s.kv_cache_min_tokens and live.logits is not None:
+            if self.disk.save(live, len(live), live.logits, kvfile.SHUTDOWN):
+                self.log.info("shutdown checkpoint of %d tokens handed to the persister", len(live))
+        self.send_persister(m.InferenceBye(pid=__import__("os").getpid()))
+        self.disk.close()
+        self.log.info("stopping")
 
     def plan(self, job: m.Job) -> int:
         """Tokens of the live session to keep: the renderer's plan if it still holds."""
@@ -99,12 +127,49 @@ class Worker:
             r = len(ids) - 1 if (len(live) != len(ids) or self.live.logits is None) else len(ids)
         return r
 
-    def execute(self, job: m.Job) -> None:
-        t0 = time.perf_counter()
+    def start(self, job: m.Job) -> tuple[list[int], int]:
+        """Put the live session in place for job: (effective prompt ids, tokens reused)."""
+        if job.evict and len(self.live) > 0:
+            self.disk.save(self.live, len(self.live), self.live.logits, kvfile.EVICT)
+        if job.restore:
+            t0 = time.perf_counter()
+            try:
+                n = self.disk.restore(self.live, job.restore)
+            except RestoreError as e:
+                self.log.warning("restore of %s failed (%s); cold prefill", job.restore, e.reason)
+                self.trace.line(f"KV cache: rejected sha1={job.restore} (reason: {e.reason}); cold prefill")
+                self.send_persister(m.Rejected(sha1=job.restore, reason=e.reason))
+                self.send(m.Begun(rid=job.rid, cached=0, prompt_tokens=len(job.ids), source="cold",
+                                  detail=f"restore failed: {e.reason}"))
+                self.last_frontier = 0
+                return list(job.ids), 0
+            ids = list(self.live.tokens) + list(job.suffix)
+            self.send_persister(m.Restored(sha1=job.restore))
+            self.trace.line(f"KV cache: hit for sha1={job.restore} (loaded {n} tokens)")
+            self.log.info("restored %s: %d tokens in %.3f s", job.restore, n, time.perf_counter() - t0)
+            self.last_frontier = n
+            if not job.suffix:   # nothing to prefill: keep the stored logits
+                ids = ids[:n]
+            self.send(m.Begun(rid=job.rid, cached=n, prompt_tokens=len(ids), source="disk"))
+            return ids, n
         r = self.plan(job)
         self.live.truncate(r)
-        self.send(m.Begun(rid=job.rid, cached=r, prompt_tokens=len(job.ids)))
-        todo = len(job.ids) - r
+        if self.last_frontier > r:
+            self.last_frontier = 0
+        self.send(m.Begun(rid=job.rid, cached=r, prompt_tokens=len(job.ids), source="live" if r else "cold"))
+        return list(job.ids), r
+
+    def save_frontiers(self, start: int, end: int, logits_at: dict) -> None:
+        s = self.s
+        for f in continued_frontiers(start, end, s.kv_cache_continued_interval_tokens,
+                                     s.kv_cache_boundary_align_tokens, self.last_frontier):
+            if self.disk.save(self.live, f, logits_at.get(f), kvfile.CONTINUED):
+                self.last_frontier = f
+
+    def execute(self, job: m.Job) -> None:
+        t0 = time.perf_counter()
+        ids, r = self.start(job)
+        todo = len(ids) - r
         last_log = [t0]
 
         def progress(done: int, total: int) -> None:
@@ -118,8 +183,19 @@ class Worker:
             self.check(job.rid)
 
         reason, n = "cancelled", 0
+        s = self.s
         try:
-            self.live.prefill(list(job.ids[r:]), on_chunk=progress)
+            saves = [p for p in job.saves if r < p.pos <= len(ids)] if self.disk.enabled else []
+            frontiers = continued_frontiers(r, len(ids), s.kv_cache_continued_interval_tokens,
+                                            s.kv_cache_boundary_align_tokens, self.last_frontier) \
+                if self.disk.enabled else []
+            want = {p.pos for p in saves} | set(frontiers)
+            got = self.live.prefill(ids[r:], logits_at=want, on_chunk=progress)
+            got[len(self.live)] = self.live.logits
+            for p in saves:
+                self.disk.save(self.live, p.pos, got.get(p.pos), p.reason)
+            if self.disk.enabled:
+                self.save_frontiers(r, len(ids), got)
             t1 = time.perf_counter()
             sampler = Sampler(job.sampling)
             stop_ids = set(job.sampling.stop_ids)
@@ -137,6 +213,8 @@ class Worker:
                     self.check(job.rid)
                 if len(self.live) < self.n_ctx:   # the live session holds every sampled token
                     logits = self.live.decode(tok)
+                    if self.disk.enabled:
+                        self.save_frontiers(len(self.live) - 1, len(self.live), {len(self.live): logits})
                 if finish:
                     reason = finish
                     break

@@ -41,6 +41,25 @@ def render(text: TextModel, req: m.GenerateRequest) -> bytes:
     return text.bos_text() + rendered.encode("utf-8", "surrogatepass")
 
 
+def prefix_bytes(text: TextModel, req: m.GenerateRequest, prompt: bytes) -> int:
+    """Byte length of the leading system part of a chat prompt (shared by every conversation
+    of one agent), or 0 when there is none or it does not render as a prefix."""
+    if req.kind != "chat":
+        return 0
+    lead = []
+    for msg in req.messages:
+        if msg.role not in ("system", "developer"):
+            break
+        lead.append(_message_dict(msg))
+    if not lead or len(lead) == len(req.messages):
+        return 0
+    try:
+        part = text.bos_text() + text.render_chat(lead, add_generation_prompt=False).encode("utf-8", "surrogatepass")
+    except Exception:
+        return 0
+    return len(part) if prompt.startswith(part) else 0
+
+
 class TextStream:
     """Incremental text of a generation with stop strings: text that could be the start of
     a stop string is held back until it is known not to be one."""

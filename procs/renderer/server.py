@@ -8,6 +8,7 @@ stop strings and usage for the web worker that asked (its ROUTER identity is the
 from __future__ import annotations
 
 import collections
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +20,10 @@ from common.lifecycle import StopFlag
 from common.logs import setup
 from common.models import ModelError, context_size, load_text, resolve, served_model_id
 from common.sockets import INFERENCE_JOBS, RENDERER, RENDERER_EVENTS, address
-from procs.renderer.prompt import PromptError, TextStream, plan_reuse, render, token_logprob
+from common.trace import Trace
+from procs.renderer.cache import DiskIndex, evict_needed, prefix_end_tokens, save_plan
+from procs.renderer.prompt import (PromptError, TextStream, plan_reuse, prefix_bytes, render,
+                                   token_logprob)
 
 HEALTH_FRESH_S = 5.0      # inference counts as up if it said anything this recently
 JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (inference died)
@@ -33,6 +37,7 @@ class Pending:
     full: list[int]
     ids: list[int] = field(default_factory=list)
     cached: int = 0
+    prompt_tokens: int = 0
     n_generated: int = 0
     stream: TextStream | None = None
     finished: bool = False          # the web has its Finished/Failed; ignore further tokens
@@ -55,6 +60,8 @@ class Renderer:
         self.jobs.setsockopt(zmq.LINGER, 0)
         self.jobs.setsockopt(zmq.SNDHWM, 100)
         self.jobs.connect(address(s, INFERENCE_JOBS))
+        self.trace = Trace(s.trace, "renderer")
+        self.index = DiskIndex(s, self.trace)
         self.enc = m.encoder()
         self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.InferenceOut)
         self.queue: collections.deque[Pending] = collections.deque()
@@ -167,22 +174,49 @@ class Renderer:
         if self.current is not None or not self.queue:
             return
         p = self.queue.popleft()
-        ids, reuse = plan_reuse(self.text, p.prompt, p.full, self.live, self.s.kv_cache_min_tokens)
+        s, rid = self.s, p.req.rid
+        ids, reuse = plan_reuse(self.text, p.prompt, p.full, self.live, s.kv_cache_min_tokens)
         if len(ids) >= self.n_ctx:   # the live-text split can tokenize longer than the whole
             ids, reuse = p.full, 0
+        restore, suffix = None, ()
+        prompt_sha = hashlib.sha1(p.prompt).hexdigest()
+        if s.kv_disk_dir:
+            qbits = self.inference.quant_bits if self.inference else 0
+            entry, why = self.index.lookup(p.prompt, self.n_ctx, qbits)
+            if entry is not None and entry.n_tokens > reuse:
+                suffix = tuple(self.text.encode(p.prompt[entry.text_len:]))
+                if entry.n_tokens + len(suffix) < self.n_ctx:
+                    restore = entry
+            elif entry is None and not reuse:
+                self.trace.line(f"KV cache: miss for sha1={prompt_sha} (reason: {why})")
+        keep = 0 if restore else reuse
+        n_prompt = restore.n_tokens + len(suffix) if restore else len(ids)
+        reused = restore.n_tokens if restore else reuse
+        if restore is None and reuse:
+            self.trace.line(f"KV cache: live session reused for sha1={prompt_sha} ({reuse} tokens)")
+        pfx = prefix_bytes(self.text, p.req, p.prompt)
+        pfx_tokens = prefix_end_tokens(self.text, ids, pfx) if pfx else 0
+        saves = save_plan(s, n_prompt, reused, pfx_tokens if not restore else 0) if s.kv_disk_dir else ()
+        evict = evict_needed(s, self.index, self.text, self.live, keep)
         p.ids = ids
         sp = p.req.sampling
-        budget = min(sp.max_tokens, self.n_ctx - len(ids))
+        budget = min(sp.max_tokens, self.n_ctx - n_prompt)
         sampling = m.SamplingParams(max_tokens=budget, temperature=sp.temperature, top_p=sp.top_p,
                                     top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed,
                                     top_logprobs=sp.top_logprobs,
                                     stop_ids=tuple(sorted(self.text.stop_ids)))
         p.stream = TextStream(self.text, p.req.stop)
         self.current, self.current_since = p, time.monotonic()
-        self.to_inference(m.Job(rid=p.req.rid, ids=tuple(ids), reuse=reuse, sampling=sampling))
+        self.to_inference(m.Job(rid=rid, ids=tuple(ids), reuse=reuse, sampling=sampling,
+                                restore=restore.sha1 if restore else "",
+                                restore_tokens=restore.n_tokens if restore else 0,
+                                suffix=suffix if restore else (), saves=saves, evict=evict))
 
     # -- inference events --
     def on_event(self, ev) -> None:
+        if isinstance(ev, m.IndexSnapshot):   # from the persister
+            self.index.update(ev)
+            return
         self.last_heard = time.monotonic()
         if isinstance(ev, m.InferenceHealth):
             self.inference = ev
@@ -192,7 +226,7 @@ class Renderer:
             return   # a late event of a job already failed here
         self.current_since = time.monotonic()
         if isinstance(ev, m.Begun):
-            p.cached = ev.cached
+            p.cached, p.prompt_tokens = ev.cached, ev.prompt_tokens
         elif isinstance(ev, m.Token):
             self.on_token(p, ev)
         elif isinstance(ev, m.JobDone):
@@ -233,7 +267,7 @@ class Renderer:
         tail = p.stream.flush() if p.stream else ""
         if tail:
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail))
-        usage = m.Usage(prompt_tokens=len(p.ids), completion_tokens=p.n_generated, cached_tokens=p.cached)
+        usage = m.Usage(prompt_tokens=p.prompt_tokens or len(p.ids), completion_tokens=p.n_generated, cached_tokens=p.cached)
         self.to_web(p.route, m.Finished(rid=p.req.rid, finish_reason=reason, usage=usage))
         p.finished = True
 

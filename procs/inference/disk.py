@@ -1,0 +1,119 @@
+"""Inference's side of the disk cache: handing checkpoints to the persister through
+shared-memory slots, and restoring a checkpoint file (read only) into the live session.
+
+Saving copies rows into a free slot and returns; only when every slot is busy does it
+wait for the persister to free one. A restore validates the whole file (magic, versions,
+geometry, fingerprint, token count, checksum, SHA1 of the text = name) before touching
+the session; any failure leaves the session empty and says why.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+
+import numpy as np
+import torch
+
+from common import kvfile
+from common import messages as m
+from procs.inference.model import KVSession
+from shm.slots import SlotPool, body_bytes
+
+KV_DTYPES = {torch.float32: kvfile.KV_F32, torch.bfloat16: kvfile.KV_BF16, torch.float16: kvfile.KV_F16}
+_SHA1 = re.compile(r"[0-9a-f]{40}")
+SLOT_WAIT_S = 10.0
+
+
+class RestoreError(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Disk:
+    def __init__(self, s, model, n_ctx: int, run_dir: str, send, wait_for_message, log):
+        self.s, self.model, self.n_ctx, self.log = s, model, n_ctx, log
+        self.send, self.wait = send, wait_for_message
+        c = model.cfg
+        self.kv_dtype = KV_DTYPES[model.dtype]
+        es = torch.empty((), dtype=model.dtype).element_size()
+        self.geometry = kvfile.Geometry(ctx_size=n_ctx, chunk_size=s.chunk_size, kv_capacity=n_ctx,
+                                        n_layers=c.n_layers, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                                        vocab_size=c.vocab_size, kv_dtype=self.kv_dtype)
+        self.pool = None
+        if s.kv_disk_dir:
+            cap = body_bytes(n_ctx, c.vocab_size, c.n_layers, c.n_kv_heads, c.head_dim, es)
+            self.pool = SlotPool(run_dir, 2, cap)
+
+    @property
+    def enabled(self) -> bool:
+        return self.pool is not None
+
+    def close(self, timeout: float = 3.0) -> None:
+        if self.pool is None:
+            return
+        end = time.monotonic() + timeout
+        while self.pool.busy and time.monotonic() < end:   # the persister is still reading
+            self.wait(0.05)
+        self.pool.close()
+
+    def slot_freed(self, i: int) -> None:
+        if self.pool:
+            self.pool.release(i)
+
+    def all_free(self) -> None:
+        if self.pool:
+            self.pool.busy.clear()
+
+    # -- saving --
+    def save(self, sess: KVSession, n: int, logits: torch.Tensor | None, reason: int) -> bool:
+        if self.pool is None or logits is None or n <= 0 or n > len(sess):
+            return False
+        i = self.pool.free_slot()
+        end = time.monotonic() + SLOT_WAIT_S
+        while i is None and time.monotonic() < end:
+            self.wait(0.05)      # handles SlotFreed messages
+            i = self.pool.free_slot()
+        if i is None:
+            self.log.warning("no free slot after %.0f s; checkpoint of %d tokens dropped", SLOT_WAIT_S, n)
+            return False
+        nbytes = self.pool.write(i, sess.tokens, logits, sess.k, sess.v, n)
+        g, c = self.geometry, self.model.cfg
+        self.send(m.SaveCheckpoint(slot=i, slot_path=self.pool.paths[i], nbytes=nbytes,
+                                   tokens=tuple(sess.tokens[:n]), reason=reason, ctx_size=g.ctx_size,
+                                   chunk_size=g.chunk_size, n_layers=g.n_layers, kv_heads=g.kv_heads,
+                                   head_dim=g.head_dim, vocab_size=g.vocab_size, kv_dtype=g.kv_dtype,
+                                   quant_bits=c.quant_bits, fingerprint=self.model.fingerprint))
+        return True
+
+    # -- restoring --
+    def restore(self, sess: KVSession, sha1: str) -> int:
+        """Load checkpoint sha1 into sess (emptied first). Returns its token count."""
+        if not self.s.kv_disk_dir or not _SHA1.fullmatch(sha1):
+            raise RestoreError("no cache directory" if not self.s.kv_disk_dir else "bad sha1")
+        path = os.path.join(self.s.kv_disk_dir, sha1 + ".kv")
+        sess.truncate(0)
+        try:
+            e = kvfile.read(path, expect_geometry=self.geometry, expect_fingerprint=self.model.fingerprint)
+        except FileNotFoundError:
+            raise RestoreError("file gone") from None
+        except kvfile.KVFileError as err:
+            raise RestoreError(err.reason) from None
+        except OSError as err:
+            raise RestoreError(f"unreadable: {err.strerror}") from None
+        if hashlib.sha1(e.text).hexdigest() != sha1:
+            raise RestoreError("text does not match the name")
+        if self.s.kv_cache_reject_different_quant and e.header.quant_bits != self.model.cfg.quant_bits:
+            raise RestoreError("different quantization")
+        torch_dtype = self.model.dtype
+
+        def tensor(a: np.ndarray) -> torch.Tensor:   # [layers, n, KV, D], a copy out of the mmap
+            t = torch.from_numpy(np.ascontiguousarray(a))
+            return t.view(torch_dtype) if torch_dtype == torch.bfloat16 else t
+        tokens = [int(t) for t in e.tokens]
+        if any(t >= self.model.cfg.vocab_size for t in tokens):
+            raise RestoreError("token id out of range")
+        sess.import_(tokens, torch.from_numpy(np.array(e.logits)), tensor(e.k), tensor(e.v))
+        return len(tokens)

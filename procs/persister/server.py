@@ -1,0 +1,128 @@
+"""The persister process: the only one that writes the cache directory.
+
+Knows files; never runs the model. It writes `.kv` files from shared-memory slots that
+inference filled, keeps the index and sends it to the renderer (on every change and every
+few seconds, so a restarted renderer catches up), bumps hits, evicts, and frees slots.
+"""
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from common import messages as m
+from common.config import Settings
+from common.lifecycle import StopFlag
+from common.logs import setup
+from common.models import load_text, resolve
+from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER_EVENTS, address
+from common.trace import Trace
+from procs.persister.store import Store
+from shm.slots import read_slot
+
+SNAPSHOT_EVERY_S = 2.0
+SHUTDOWN_GRACE_S = 4.0    # after SIGTERM, wait this long for inference's shutdown save
+
+
+class Persister:
+    def __init__(self, s: Settings, log):
+        self.s, self.log = s, log
+        self.trace = Trace(s.trace, "persister")
+        self.text = load_text(resolve(s.model, s.models_path()))
+        self.store = Store(s.kv_disk_dir, s.kv_disk_space_mb, log, self.trace) if s.kv_disk_dir else None
+        ctx = zmq.Context.instance()
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.bind(address(s, PERSISTER))
+        self.to_inference = ctx.socket(zmq.PUSH)
+        self.to_renderer = ctx.socket(zmq.PUSH)
+        for sock, name in ((self.to_inference, INFERENCE_JOBS), (self.to_renderer, RENDERER_EVENTS)):
+            sock.setsockopt(zmq.LINGER, 500)
+            sock.setsockopt(zmq.SNDHWM, 16)
+            sock.connect(address(s, name))
+        self.enc, self.dec = m.encoder(), m.decoder(m.PersisterIn)
+        self.stop = StopFlag()
+        self.sent_version, self.last_snapshot = -1, 0.0
+        self.send(self.to_inference, m.PersisterHello(pid=__import__("os").getpid()))
+        if self.store:
+            log.info("cache dir %s: %d entries, budget %d MB%s", s.kv_disk_dir, len(self.store.index),
+                     s.kv_disk_space_mb, "" if self.store.usable else " (unusable: cache off)")
+
+    def send(self, sock, msg) -> None:
+        try:
+            sock.send(self.enc.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass   # the peer is down; snapshots repeat, slot frees are re-announced by Hello
+
+    def run(self) -> int:
+        stop_at = None
+        while True:
+            if self.stop and stop_at is None:
+                stop_at = time.monotonic() + SHUTDOWN_GRACE_S
+            if stop_at is not None and time.monotonic() > stop_at:
+                break
+            if self.pull.poll(100):
+                msg = self.dec.decode(self.pull.recv())
+                if isinstance(msg, m.InferenceBye) and stop_at is not None:
+                    self.drain_saves()
+                    break
+                self.handle(msg)
+            self.publish()
+        self.log.info("stopping")
+        return 0
+
+    def drain_saves(self) -> None:
+        while self.pull.poll(0):
+            self.handle(self.dec.decode(self.pull.recv()))
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, m.SaveCheckpoint):
+            self.save(msg)
+        elif self.store is None:
+            return
+        elif isinstance(msg, m.Restored):
+            self.store.bump(msg.sha1)
+        elif isinstance(msg, m.Rejected):
+            self.store.remove(msg.sha1, f"rejected on restore: {msg.reason}")
+
+    def save(self, msg: m.SaveCheckpoint) -> None:
+        t0 = time.perf_counter()
+        mm = None
+        try:
+            if self.store is None:
+                return
+            mm, body = read_slot(msg.slot_path, msg.nbytes)
+            text = self.text.piece_bytes(msg.tokens)
+            sha1 = self.store.write(msg, body, text, {})
+            body.release()
+            if sha1:
+                dt = time.perf_counter() - t0
+                size = self.store.index[sha1].size if sha1 in self.store.index else 0
+                from common.kvfile import REASON_NAMES
+                self.trace.line(f"KV cache: stored sha1={sha1} ({len(msg.tokens)} tokens, reason "
+                                f"{REASON_NAMES.get(msg.reason, '?')}, {size} bytes, {dt * 1000:.0f} ms)")
+                self.log.info("stored %s: %d tokens, %s, %.1f MB in %.2f s", sha1, len(msg.tokens),
+                              REASON_NAMES.get(msg.reason, "?"), size / 1e6, dt)
+        except Exception as e:  # a failed write loses one checkpoint, never the process
+            self.log.warning("checkpoint not written: %s", e)
+            self.trace.line(f"KV cache: store failed ({e})")
+        finally:
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:   # a view still alive after a failure; GC frees the map
+                    pass
+            self.send(self.to_inference, m.SlotFreed(slot=msg.slot))
+
+    def publish(self) -> None:
+        if self.store is None:
+            return
+        now = time.monotonic()
+        if self.store.version != self.sent_version or now - self.last_snapshot > SNAPSHOT_EVERY_S:
+            self.send(self.to_renderer, self.store.snapshot())
+            self.sent_version, self.last_snapshot = self.store.version, now
+
+
+def run(argv=None) -> int:
+    s = Settings.load("persister", argv)
+    log = setup("persister", s.log_level)
+    return Persister(s, log).run()

@@ -1,0 +1,167 @@
+"""The cache directory: atomic writes, the in-memory index, LRU eviction, hit bumps.
+
+Invariants: only `<40 hex>.kv` names are entries; an entry appears under its final name
+only complete (temp name, fsync, rename, directory fsync); the sum of entry sizes stays
+within the budget except for an entry that alone exceeds it (KV-FORMAT.md section 8).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import stat
+import time
+
+import numpy as np
+
+from common import kvfile
+from common import messages as m
+from common.policy import lru_victims
+
+
+class Store:
+    def __init__(self, path: str, budget_mb: int, log, trace):
+        self.dir, self.budget = path, budget_mb * 1024 * 1024
+        self.log, self.trace = log, trace
+        self.index: dict[str, m.IndexEntry] = {}
+        self.version = 0
+        self.usable = self._prepare()
+        if self.usable:
+            self.scan()
+            self.evict(keep=set())
+
+    def _prepare(self) -> bool:
+        try:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            st = os.stat(self.dir)
+            if st.st_uid != os.getuid():
+                self.log.warning("cache dir %s is owned by uid %d, not us; disk cache off", self.dir, st.st_uid)
+                return False
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                self.log.warning("cache dir %s is writable by others; disk cache off", self.dir)
+                return False
+            if stat.S_IMODE(st.st_mode) != 0o700:
+                os.chmod(self.dir, 0o700)
+            return True
+        except OSError as e:
+            self.log.warning("cache dir %s unusable (%s); disk cache off", self.dir, e)
+            return False
+
+    def entry_path(self, sha1: str) -> str:
+        return os.path.join(self.dir, sha1 + ".kv")
+
+    def scan(self) -> None:
+        """Rebuild the index from the directory; remove temp files a crash left behind."""
+        for tmp in glob.glob(os.path.join(self.dir, "*.kv.tmp.*")):
+            try:
+                os.unlink(tmp)
+                self.log.info("removed leftover %s", os.path.basename(tmp))
+            except OSError:
+                pass
+        index = {}
+        for name in os.listdir(self.dir):
+            if not kvfile.is_entry_name(name):
+                continue
+            path = os.path.join(self.dir, name)
+            try:
+                meta = kvfile.read_meta(path)
+                if meta.sha1 + ".kv" != name:
+                    raise kvfile.KVFileError("name mismatch", "text SHA1 differs from the file name")
+            except (kvfile.KVFileError, OSError) as e:
+                self.log.warning("ignoring unsound entry %s: %s", name, e)
+                self.trace.line(f"KV cache: rejected sha1={name[:-3]} (reason: {getattr(e, 'reason', e)})")
+                continue
+            index[meta.sha1] = self._entry(meta.sha1, meta.header, meta.text_len, meta.size)
+        self.index = index
+        self.version += 1
+
+    @staticmethod
+    def _entry(sha1, h: kvfile.Header, text_len: int, size: int) -> m.IndexEntry:
+        return m.IndexEntry(sha1=sha1, text_len=text_len, n_tokens=h.n_tokens, quant_bits=h.quant_bits,
+                            ctx_size=h.ctx_size, size=size, last_used=h.last_used)
+
+    def snapshot(self) -> m.IndexSnapshot:
+        return m.IndexSnapshot(entries=tuple(self.index.values()), version=self.version)
+
+    def write(self, save: m.SaveCheckpoint, body: memoryview, text: bytes, ktm: dict[str, bytes]) -> str | None:
+        """Write one checkpoint from a slot body; returns its sha1, or None if not written."""
+        if not self.usable:
+            return None
+        sha1 = hashlib.sha1(text).hexdigest()
+        final = self.entry_path(sha1)
+        old = self.index.get(sha1)
+        if old is not None and old.n_tokens == len(save.tokens) and os.path.exists(final):
+            return sha1            # that exact state is already on disk
+        n = len(save.tokens)
+        g = kvfile.Geometry(ctx_size=save.ctx_size, chunk_size=save.chunk_size, kv_capacity=save.ctx_size,
+                            n_layers=save.n_layers, kv_heads=save.kv_heads, head_dim=save.head_dim,
+                            vocab_size=save.vocab_size, kv_dtype=save.kv_dtype)
+        rows = save.n_layers * n * save.kv_heads * save.head_dim * kvfile.KV_ITEMSIZE[save.kv_dtype]
+        off_logits = 4 * n
+        off_kv = off_logits + 4 * save.vocab_size
+        if len(body) != off_kv + 2 * rows:
+            raise ValueError(f"slot holds {len(body)} bytes, expected {off_kv + 2 * rows}")
+        logits = np.frombuffer(body[off_logits:off_kv], dtype="<f4")
+        kv = np.frombuffer(body[off_kv:], dtype=kvfile.KV_NUMPY[save.kv_dtype])
+        kv = kv.reshape(save.n_layers, 2, n, save.kv_heads, save.head_dim)
+        parts = kvfile.write_parts(text, save.tokens, logits, kv[:, 0], kv[:, 1], g, save.fingerprint,
+                                   save.quant_bits, save.reason, ktm=ktm or None)
+        tmp = f"{final}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            try:
+                for part in parts:
+                    view = memoryview(part)
+                    while view:
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        h = kvfile.parse_header(open(final, "rb").read(kvfile.HEADER_SIZE))
+        self.index[sha1] = self._entry(sha1, h, len(text), os.path.getsize(final))
+        self.version += 1
+        self.evict(keep={sha1})
+        return sha1
+
+    def evict(self, keep: set[str]) -> list[str]:
+        rows = [(e.sha1, e.size, e.last_used, e.last_used) for e in self.index.values()]
+        victims = lru_victims(rows, self.budget, keep=frozenset(keep))
+        for sha1 in victims:
+            self.remove(sha1, "lru, over the disk budget")
+        return victims
+
+    def remove(self, sha1: str, why: str) -> None:
+        if self.index.pop(sha1, None) is not None:
+            self.version += 1
+        try:
+            os.unlink(self.entry_path(sha1))
+        except FileNotFoundError:
+            pass
+        self.trace.line(f"KV cache: evicted sha1={sha1} ({why})")
+        self.log.info("removed %s (%s)", sha1, why)
+
+    def bump(self, sha1: str) -> None:
+        if sha1 not in self.index:
+            return
+        try:
+            kvfile.bump_hits(self.entry_path(sha1), int(time.time()))
+        except (OSError, kvfile.KVFileError) as e:
+            self.log.warning("could not bump hits of %s: %s", sha1, e)
+            return
+        e = self.index[sha1]
+        self.index[sha1] = m.IndexEntry(sha1=e.sha1, text_len=e.text_len, n_tokens=e.n_tokens,
+                                        quant_bits=e.quant_bits, ctx_size=e.ctx_size, size=e.size,
+                                        last_used=int(time.time()))
+        self.version += 1
