@@ -102,10 +102,20 @@ class Accepted(msgspec.Struct, tag="accepted", frozen=True):
     prompt_tokens: int
 
 
+class ToolCallDelta(msgspec.Struct, frozen=True):
+    """A piece of a generated tool call: the first piece of call `index` carries id and
+    name, later pieces carry fragments of its arguments (JSON text)."""
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
 class Delta(msgspec.Struct, tag="delta", frozen=True):
     rid: str
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 class Finished(msgspec.Struct, tag="finished", frozen=True):
@@ -275,7 +285,12 @@ class InferenceBye(msgspec.Struct, tag="bye", frozen=True):
     pid: int
 
 
-PersisterIn = SaveCheckpoint | Restored | Rejected | InferenceBye
+class ToolIds(msgspec.Struct, tag="tool_ids", frozen=True):
+    """renderer -> persister: new tool-call ids and their exact sampled block, for KTM."""
+    entries: tuple[tuple[str, bytes], ...]
+
+
+PersisterIn = SaveCheckpoint | Restored | Rejected | InferenceBye | ToolIds
 
 
 def encoder() -> msgspec.msgpack.Encoder:

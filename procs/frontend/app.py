@@ -143,7 +143,6 @@ class Generate:
             if isinstance(ev, Delta):
                 col.add(ev, want)
             elif isinstance(ev, Finished):
-                col.calls.extend(shape.delta_tool_calls(ev))
                 cid, created = self._ids(p)
                 build = shape.chat_completion if self.kind == "chat" else shape.text_completion
                 resp.content_type = falcon.MEDIA_JSON

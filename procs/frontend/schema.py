@@ -6,6 +6,8 @@ need the tokenizer (the context length) are the renderer's to report.
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 import msgspec
@@ -198,13 +200,45 @@ def _message(i: int, msg) -> ChatMessage:
     return ChatMessage(role=role, content=content or "", tool_calls=calls, tool_call_id=call_id, name=name)
 
 
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
 def _tools(body: dict) -> tuple[str, str]:
     tools, choice = body.get("tools"), body.get("tool_choice")
+    names = set()
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise bad("tools", "'tools' must be a list of objects")
-    if choice is not None and not isinstance(choice, (str, dict)):
-        raise bad("tool_choice", "'tool_choice' must be a string or an object")
+        for i, t in enumerate(tools):
+            at = f"tools[{i}]"
+            if t.get("type", "function") != "function":
+                raise bad(f"{at}.type", "only tools of type 'function' are supported")
+            fn = t.get("function")
+            if not isinstance(fn, dict):
+                raise bad(f"{at}.function", "a tool needs a 'function' object")
+            name = fn.get("name")
+            if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+                raise bad(f"{at}.function.name", "a function needs a 'name' of 1-64 letters, digits, '_', '-', '.'")
+            if "parameters" in fn and not isinstance(fn["parameters"], dict):
+                raise bad(f"{at}.function.parameters", "'parameters' must be a JSON Schema object")
+            if "description" in fn and not isinstance(fn["description"], str):
+                raise bad(f"{at}.function.description", "'description' must be a string")
+            names.add(name)
+    if choice is not None:
+        if isinstance(choice, str):
+            if choice not in ("none", "auto", "required"):
+                raise bad("tool_choice", "'tool_choice' must be none, auto, required or a function")
+            if choice == "required" and not names:
+                raise bad("tool_choice", "'tool_choice' is required but no tools were given")
+        elif isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise bad("tool_choice", "a named 'tool_choice' is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            if name not in names:
+                raise bad("tool_choice", f"'tool_choice' names {name!r}, which is not among the tools")
+        else:
+            raise bad("tool_choice", "'tool_choice' must be a string or an object")
     return (_json_text(tools) if tools else "", _json_text(choice) if choice is not None else "")
 
 

@@ -63,19 +63,32 @@ def merge_legacy(parts: list[dict]) -> dict:
     return out
 
 
-def tool_calls(calls, with_index: bool = False) -> list[dict]:
+def tool_calls(pieces) -> list[dict]:
+    """Whole calls, in order, from ToolCallDelta pieces (arguments concatenated)."""
+    calls: dict[int, dict] = {}
+    for p in pieces:
+        c = calls.setdefault(p.index, {"id": "", "type": "function",
+                                       "function": {"name": "", "arguments": ""}})
+        c["id"] = c["id"] or p.id
+        c["function"]["name"] = c["function"]["name"] or p.name
+        c["function"]["arguments"] += p.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def stream_tool_calls(pieces) -> list[dict]:
+    """The chunk shape: id, type and name on a call's first piece; argument fragments after."""
     out = []
-    for i, c in enumerate(calls):
-        d = {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": c.function.arguments}}
-        if with_index:
-            d = {"index": i, **d}
+    for p in pieces:
+        d: dict = {"index": p.index}
+        if p.id:
+            d.update(id=p.id, type="function", function={"name": p.name, "arguments": p.arguments})
+        else:
+            d["function"] = {"arguments": p.arguments}
         out.append(d)
     return out
 
 
 def delta_tool_calls(ev) -> tuple:
-    """Tool calls a renderer may attach to a Delta or Finished (not in the protocol yet)."""
     return tuple(getattr(ev, "tool_calls", ()) or ())
 
 
@@ -133,7 +146,6 @@ class Chunks:
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.legacy = LegacyLogprobs()
-        self.n_calls = 0
 
     def _chunk(self, choice: dict | None) -> dict:
         d = {**self.head, "choices": [choice] if choice is not None else []}
@@ -163,18 +175,11 @@ class Chunks:
             if ev.text or not calls:
                 delta["content"] = ev.text
             if calls:
-                delta["tool_calls"] = [{**c, "index": self.n_calls + i}
-                                       for i, c in enumerate(tool_calls(calls))]
-                self.n_calls += len(calls)
+                delta["tool_calls"] = stream_tool_calls(calls)
         return self._chunk(self._choice(delta, ev.text, ev.logprobs, None))
 
     def final(self, finish_reason: str, finished_ev=None) -> list[dict]:
         out = []
-        calls = delta_tool_calls(finished_ev) if finished_ev is not None else ()
-        if calls and self.chat:
-            out.append(self._chunk(self._choice(
-                {"tool_calls": [{**c, "index": self.n_calls + i} for i, c in enumerate(tool_calls(calls))]},
-                "", (), None)))
         out.append(self._chunk(self._choice({} if self.chat else None, "", (), finish_reason)))
         return out
 

@@ -6,6 +6,7 @@ few seconds, so a restarted renderer catches up), bumps hits, evicts, and frees 
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import zmq
@@ -22,6 +23,7 @@ from shm.slots import read_slot
 
 SNAPSHOT_EVERY_S = 2.0
 SHUTDOWN_GRACE_S = 4.0    # after SIGTERM, wait this long for inference's shutdown save
+KTM_SCAN_IDS = 4096       # newest tool ids checked against each checkpoint's text
 
 
 class Persister:
@@ -41,6 +43,10 @@ class Persister:
             sock.connect(address(s, name))
         self.enc, self.dec = m.encoder(), m.decoder(m.PersisterIn)
         self.stop = StopFlag()
+        self.tool_ids: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        if self.store and self.store.usable and not s.disable_exact_tool_replay:
+            for sha1 in list(self.store.index):   # ids of earlier runs, for the files written next
+                self.remember(self.store.read_ktm(sha1, s.tool_memory_max_ids).items())
         self.sent_version, self.last_snapshot = -1, 0.0
         self.send(self.to_inference, m.PersisterHello(pid=__import__("os").getpid()))
         if self.store:
@@ -83,6 +89,25 @@ class Persister:
             self.store.bump(msg.sha1)
         elif isinstance(msg, m.Rejected):
             self.store.remove(msg.sha1, f"rejected on restore: {msg.reason}")
+        elif isinstance(msg, m.ToolIds) and not self.s.disable_exact_tool_replay:
+            self.remember(msg.entries)
+
+    def remember(self, entries) -> None:
+        for i, block in entries:
+            self.tool_ids[i] = block
+            self.tool_ids.move_to_end(i)
+        while len(self.tool_ids) > self.s.tool_memory_max_ids:
+            self.tool_ids.popitem(last=False)
+
+    def ktm_for(self, text: bytes) -> dict[str, bytes]:
+        """Ids whose exact block occurs in text (the newest KTM_SCAN_IDS ids are checked)."""
+        out = {}
+        for n, (i, block) in enumerate(reversed(self.tool_ids.items())):
+            if n >= KTM_SCAN_IDS:
+                break
+            if block in text:
+                out[i] = block
+        return out
 
     def save(self, msg: m.SaveCheckpoint) -> None:
         t0 = time.perf_counter()
@@ -92,7 +117,7 @@ class Persister:
                 return
             mm, body = read_slot(msg.slot_path, msg.nbytes)
             text = self.text.piece_bytes(msg.tokens)
-            sha1 = self.store.write(msg, body, text, {})
+            sha1 = self.store.write(msg, body, text, self.ktm_for(text))
             body.release()
             if sha1:
                 dt = time.perf_counter() - t0

@@ -152,6 +152,12 @@ class Store:
         self.trace.line(f"KV cache: evicted sha1={sha1} ({why})")
         self.log.info("removed %s (%s)", sha1, why)
 
+    def read_ktm(self, sha1: str, max_ids: int) -> dict[str, bytes]:
+        try:
+            return kvfile.read_ktm(self.entry_path(sha1), max_ids)
+        except (OSError, kvfile.KVFileError):
+            return {}
+
     def bump(self, sha1: str) -> None:
         if sha1 not in self.index:
             return

@@ -6,8 +6,11 @@ from them.
 """
 from __future__ import annotations
 
+import json
+
 from common import messages as m
 from common.detok import Detokenizer
+from procs.renderer import tools
 from common.tokenizer import TextModel
 
 
@@ -31,13 +34,31 @@ def _message_dict(msg: m.ChatMessage) -> dict:
     return d
 
 
-def render(text: TextModel, req: m.GenerateRequest) -> bytes:
+def chat_messages(req: m.GenerateRequest, memory, index_sha1s, stats) -> list[dict]:
+    tool_list = json.loads(req.tools) if req.tools else []
+    return tools.prepare_messages([_message_dict(x) for x in req.messages], tool_list, memory,
+                                  index_sha1s, stats)
+
+
+def tool_choice(req: m.GenerateRequest):
+    """none | auto | required | {"type": "function", ...}; auto when tools are given alone."""
+    if req.tool_choice:
+        return json.loads(req.tool_choice)
+    return "auto" if req.tools else "none"
+
+
+def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(), stats=None) -> bytes:
+    """The prompt bytes: template output (with tools, replayed calls and a call opener when
+    tool_choice forces a call), or the raw prompt of a completion."""
     if req.kind == "completion":
         return text.bos_text() + req.prompt.encode("utf-8", "surrogatepass")
+    msgs = chat_messages(req, memory, index_sha1s, stats or tools.Rendered())
     try:
-        rendered = text.render_chat([_message_dict(x) for x in req.messages], add_generation_prompt=True)
+        rendered = text.render_chat(msgs, add_generation_prompt=True)
     except Exception as e:  # a template that raises on this conversation: the client's input
         raise PromptError("messages", f"the chat template rejected the messages: {e}") from None
+    if req.tools:
+        rendered += tools.opener(tool_choice(req))
     return text.bos_text() + rendered.encode("utf-8", "surrogatepass")
 
 
@@ -46,12 +67,17 @@ def prefix_bytes(text: TextModel, req: m.GenerateRequest, prompt: bytes) -> int:
     of one agent), or 0 when there is none or it does not render as a prefix."""
     if req.kind != "chat":
         return 0
-    lead = []
+    n_lead = 0
     for msg in req.messages:
         if msg.role not in ("system", "developer"):
             break
-        lead.append(_message_dict(msg))
-    if not lead or len(lead) == len(req.messages):
+        n_lead += 1
+    if not req.tools and (not n_lead or n_lead == len(req.messages)):
+        return 0
+    lead = chat_messages(m.GenerateRequest(rid="", kind="chat", sampling=req.sampling,
+                                           messages=req.messages[:n_lead], tools=req.tools), None, (),
+                         tools.Rendered())
+    if not lead:
         return 0
     try:
         part = text.bos_text() + text.render_chat(lead, add_generation_prompt=False).encode("utf-8", "surrogatepass")

@@ -19,11 +19,12 @@ from common.config import Settings
 from common.lifecycle import StopFlag
 from common.logs import setup
 from common.models import ModelError, context_size, load_text, resolve, served_model_id
-from common.sockets import INFERENCE_JOBS, RENDERER, RENDERER_EVENTS, address
+from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER, RENDERER_EVENTS, address
 from common.trace import Trace
 from procs.renderer.cache import DiskIndex, evict_needed, prefix_end_tokens, save_plan
+from procs.renderer import tools
 from procs.renderer.prompt import (PromptError, TextStream, plan_reuse, prefix_bytes, render,
-                                   token_logprob)
+                                   token_logprob, tool_choice)
 
 HEALTH_FRESH_S = 5.0      # inference counts as up if it said anything this recently
 JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (inference died)
@@ -40,6 +41,7 @@ class Pending:
     prompt_tokens: int = 0
     n_generated: int = 0
     stream: TextStream | None = None
+    calls: tools.CallParser | None = None   # set when generated tool calls are parsed
     finished: bool = False          # the web has its Finished/Failed; ignore further tokens
 
 
@@ -61,6 +63,12 @@ class Renderer:
         self.jobs.setsockopt(zmq.SNDHWM, 100)
         self.jobs.connect(address(s, INFERENCE_JOBS))
         self.trace = Trace(s.trace, "renderer")
+        self.tool_memory = None if s.disable_exact_tool_replay else \
+            tools.ToolMemory(s.tool_memory_max_ids, s.kv_disk_dir)
+        self.to_persister = ctx.socket(zmq.PUSH)
+        self.to_persister.setsockopt(zmq.LINGER, 0)
+        self.to_persister.setsockopt(zmq.SNDHWM, 1000)
+        self.to_persister.connect(address(s, PERSISTER))
         self.index = DiskIndex(s, self.trace)
         self.enc = m.encoder()
         self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.InferenceOut)
@@ -140,7 +148,10 @@ class Renderer:
     def admit(self, route: bytes, req: m.GenerateRequest) -> None:
         try:
             m.validate_sampling(req.sampling)
-            prompt = render(self.text, req)
+            stats = tools.Rendered()
+            prompt = render(self.text, req, self.tool_memory, self.index.entries, stats)
+            if any(x.tool_calls for x in req.messages):
+                self.trace.line(f"request {req.rid}: {stats.line()}")
             full = self.text.encode(prompt)
             if not full:
                 raise PromptError("prompt" if req.kind == "completion" else "messages", "the prompt is empty")
@@ -206,6 +217,10 @@ class Renderer:
                                     top_logprobs=sp.top_logprobs,
                                     stop_ids=tuple(sorted(self.text.stop_ids)))
         p.stream = TextStream(self.text, p.req.stop)
+        if p.req.tools:
+            choice = tool_choice(p.req)
+            if choice != "none":
+                p.calls = tools.CallParser(opened=tools.opener(choice))
         self.current, self.current_since = p, time.monotonic()
         self.to_inference(m.Job(rid=rid, ids=tuple(ids), reuse=reuse, sampling=sampling,
                                 restore=restore.sha1 if restore else "",
@@ -253,23 +268,46 @@ class Renderer:
         lps = ()
         if p.req.logprobs:
             lps = (token_logprob(self.text, ev.id, ev.logprob, ev.top),)
+        pieces = []
+        if p.calls is not None:
+            text, pieces = p.calls.push(text)
         if p.stream.stopped:   # a stop string: end here, and stop the model
-            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps))
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
             self.finish(p, "stop")
             self.to_inference(m.CancelJob(rid=p.req.rid))
             return
-        if text or lps:
-            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps))
+        if text or lps or pieces:
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
         if ev.finish:
             self.finish(p, ev.finish)
 
     def finish(self, p: Pending, reason: str) -> None:
         tail = p.stream.flush() if p.stream else ""
-        if tail:
-            self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail))
+        pieces = []
+        if p.calls is not None:
+            tail, pieces = p.calls.push(tail)
+            tail += p.calls.flush()
+            if p.calls.calls:
+                reason = "tool_calls"
+                self.remember_calls(p.calls)
+        if tail or pieces:
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces)))
         usage = m.Usage(prompt_tokens=p.prompt_tokens or len(p.ids), completion_tokens=p.n_generated, cached_tokens=p.cached)
         self.to_web(p.route, m.Finished(rid=p.req.rid, finish_reason=reason, usage=usage))
         p.finished = True
+
+    def remember_calls(self, parser: tools.CallParser) -> None:
+        if self.tool_memory is None:
+            return
+        ids = [c[0] for c in parser.calls]
+        block = parser.block.encode("utf-8", "surrogateescape")
+        self.tool_memory.remember(ids, block)
+        if self.s.kv_disk_dir:
+            try:
+                self.to_persister.send(self.enc.encode(m.ToolIds(entries=tuple((i, block) for i in ids))),
+                                       flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self.log.warning("persister not reachable; tool ids kept in memory only")
 
     def fail(self, p: Pending, status: int, message: str, code=None, err_type="server_error") -> None:
         if not p.finished:
