@@ -85,6 +85,7 @@ def _proc(name: str):
 
 
 COMMANDS = {"generate": _generate, "fetch-model": _fetch,
+            "cache": lambda argv: __import__("importlib").import_module("procs.cachecli").main(argv),
             "renderer": _proc("renderer"), "inference": _proc("inference"),
             "persister": _proc("persister")}
 
