@@ -17,6 +17,7 @@ import falcon.asgi
 import msgspec
 
 from common.config import Settings
+from common import metrics
 from common.messages import Accepted, Delta, Failed, Finished
 from common.models import served_model_id
 from procs.frontend import shape
@@ -76,8 +77,12 @@ class Auth:
         if req.path == "/health":
             return
         scheme, _, token = (req.get_header("Authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
-            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+        token = token.strip() if scheme.lower() == "bearer" else None
+        if token is None:
+            token = req.get_header("x-api-key")       # Anthropic's clients
+        if token is None or not hmac.compare_digest(token.encode(), self.key):
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                           "(or 'x-api-key: <key>').",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -244,10 +249,21 @@ class HealthResource:
         resp.data = shape.encode(body)
 
 
+class MetricsResource:
+    async def on_get(self, req, resp) -> None:
+        resp.data, resp.content_type = metrics.exposition()
+
+
+class CountRequests:
+    async def process_response(self, req, resp, resource, req_succeeded) -> None:
+        endpoint = req.uri_template or "unknown"
+        metrics.M.http_requests.labels(endpoint, req.method, str(resp.status).split()[0]).inc()
+
+
 def create_app(backend, settings: Settings) -> falcon.asgi.App:
     """The API over `backend` (anything with ZmqBackend's async submit/cancel/health)."""
     model_id = served_model_id(settings.model_id, settings.model)
-    middleware = [Lifespan(backend)]
+    middleware = [Lifespan(backend), CountRequests()]
     if settings.api_key:
         middleware.append(Auth(settings.api_key))
     app = App(middleware=middleware)
@@ -259,12 +275,18 @@ def create_app(backend, settings: Settings) -> falcon.asgi.App:
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")
     app.add_route("/health", HealthResource(backend, model_id))
+    from procs.frontend import anthropic, responses        # they import this module
+    responses.register(app, backend, settings, model_id)
+    anthropic.register(app, backend, settings, model_id)
+    app.add_route("/metrics", MetricsResource())
     return app
 
 
 def get_app() -> falcon.asgi.App:
     """gunicorn's entry point: the settings come from RICORDO_* (gunicorn owns argv)."""
     from common.logs import setup
+    from common.sockets import run_dir
     settings = Settings.load("web", [])
     setup("web", settings.log_level)
+    metrics.init(run_dir(settings))
     return create_app(ZmqBackend(settings), settings)

@@ -43,6 +43,7 @@ class Disk:
                                         n_layers=c.n_layers, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                         vocab_size=c.vocab_size, kv_dtype=self.kv_dtype)
         self.pool = None
+        self.last_restore_bytes = 0
         if s.kv_disk_dir:
             cap = body_bytes(n_ctx, c.vocab_size, c.n_layers, c.n_kv_heads, c.head_dim, es)
             self.pool = SlotPool(run_dir, 2, cap)
@@ -91,10 +92,10 @@ class Disk:
     # -- restoring --
     def restore(self, sess: KVSession, sha1: str) -> int:
         """Load checkpoint sha1 into sess (emptied first). Returns its token count."""
+        sess.truncate(0)
         if not self.s.kv_disk_dir or not _SHA1.fullmatch(sha1):
             raise RestoreError("no cache directory" if not self.s.kv_disk_dir else "bad sha1")
         path = os.path.join(self.s.kv_disk_dir, sha1 + ".kv")
-        sess.truncate(0)
         try:
             e = kvfile.read(path, expect_geometry=self.geometry, expect_fingerprint=self.model.fingerprint)
         except FileNotFoundError:
@@ -116,4 +117,5 @@ class Disk:
         if any(t >= self.model.cfg.vocab_size for t in tokens):
             raise RestoreError("token id out of range")
         sess.import_(tokens, torch.from_numpy(np.array(e.logits)), tensor(e.k), tensor(e.v))
+        self.last_restore_bytes = e.k.nbytes + e.v.nbytes + e.logits.nbytes + e.tokens.nbytes + len(e.text)
         return len(tokens)

@@ -16,6 +16,7 @@ from common import kvfile
 from common import messages as m
 from common.config import Settings
 from common.lifecycle import StopFlag
+from common import metrics
 from common.logs import setup
 from common.policy import continued_frontiers
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER_EVENTS, address, run_dir
@@ -146,7 +147,10 @@ class Worker:
             ids = list(self.live.tokens) + list(job.suffix)
             self.send_persister(m.Restored(sha1=job.restore))
             self.trace.line(f"KV cache: hit for sha1={job.restore} (loaded {n} tokens)")
-            self.log.info("restored %s: %d tokens in %.3f s", job.restore, n, time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self.log.info("restored %s: %d tokens in %.3f s", job.restore, n, dt)
+            metrics.M.restore_seconds.observe(dt)
+            metrics.M.bytes_read.inc(self.disk.last_restore_bytes)
             self.last_frontier = n
             if not job.suffix:   # nothing to prefill: keep the stored logits
                 ids = ids[:n]
@@ -222,12 +226,19 @@ class Worker:
             t1 = time.perf_counter()
         t2 = time.perf_counter()
         self.send(m.JobDone(rid=job.rid, reason=reason, live=tuple(self.live.tokens)))
-        self.log.info("job %s: cached %d, prefilled %d in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s, %s",
-                      job.rid, r, todo, t1 - t0, todo / max(t1 - t0, 1e-9), n,
+        source = "disk" if job.restore and r else ("live" if r else "cold")
+        self.log.info("job %s: %s, cached %d, suffix %d prefilled in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s, %s",
+                      job.rid, source, r, todo, t1 - t0, todo / max(t1 - t0, 1e-9), n,
                       n / max(t2 - t1, 1e-9), reason)
+        if todo >= 16:
+            metrics.M.prefill_rate.observe(todo / max(t1 - t0, 1e-9))
+        if n >= 8:
+            metrics.M.decode_rate.observe(n / max(t2 - t1, 1e-9))
+        metrics.M.live_tokens.set(len(self.live))
 
 
 def run(argv=None) -> int:
     s = Settings.load("inference", argv)
     log = setup("inference", s.log_level)
+    metrics.init(run_dir(s))
     return Worker(s, log).run()

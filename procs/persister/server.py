@@ -14,9 +14,10 @@ import zmq
 from common import messages as m
 from common.config import Settings
 from common.lifecycle import StopFlag
+from common import metrics
 from common.logs import setup
 from common.models import load_text, resolve
-from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER_EVENTS, address
+from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
 from procs.persister.store import Store
 from shm.slots import read_slot
@@ -127,6 +128,9 @@ class Persister:
                                 f"{REASON_NAMES.get(msg.reason, '?')}, {size} bytes, {dt * 1000:.0f} ms)")
                 self.log.info("stored %s: %d tokens, %s, %.1f MB in %.2f s", sha1, len(msg.tokens),
                               REASON_NAMES.get(msg.reason, "?"), size / 1e6, dt)
+                metrics.M.stored.labels(REASON_NAMES.get(msg.reason, "unknown")).inc()
+                metrics.M.bytes_written.inc(size)
+                metrics.M.save_seconds.observe(dt)
         except Exception as e:  # a failed write loses one checkpoint, never the process
             self.log.warning("checkpoint not written: %s", e)
             self.trace.line(f"KV cache: store failed ({e})")
@@ -143,6 +147,8 @@ class Persister:
             return
         now = time.monotonic()
         if self.store.version != self.sent_version or now - self.last_snapshot > SNAPSHOT_EVERY_S:
+            metrics.M.dir_bytes.set(sum(e.size for e in self.store.index.values()))
+            metrics.M.dir_entries.set(len(self.store.index))
             self.send(self.to_renderer, self.store.snapshot())
             self.sent_version, self.last_snapshot = self.store.version, now
 
@@ -150,4 +156,5 @@ class Persister:
 def run(argv=None) -> int:
     s = Settings.load("persister", argv)
     log = setup("persister", s.log_level)
+    metrics.init(run_dir(s))
     return Persister(s, log).run()

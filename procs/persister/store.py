@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from common import kvfile
+from common import kvfile, metrics
 from common import messages as m
 from common.policy import lru_victims
 
@@ -150,6 +150,7 @@ class Store:
         except FileNotFoundError:
             pass
         self.trace.line(f"KV cache: evicted sha1={sha1} ({why})")
+        metrics.M.evictions.labels("rejected" if why.startswith("rejected") else "lru").inc()
         self.log.info("removed %s (%s)", sha1, why)
 
     def read_ktm(self, sha1: str, max_ids: int) -> dict[str, bytes]:

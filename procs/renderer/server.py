@@ -17,9 +17,10 @@ import zmq
 from common import messages as m
 from common.config import Settings
 from common.lifecycle import StopFlag
+from common import metrics
 from common.logs import setup
 from common.models import ModelError, context_size, load_text, resolve, served_model_id
-from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER, RENDERER_EVENTS, address
+from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
 from procs.renderer.cache import DiskIndex, evict_needed, prefix_end_tokens, save_plan
 from procs.renderer import tools
@@ -39,6 +40,9 @@ class Pending:
     ids: list[int] = field(default_factory=list)
     cached: int = 0
     prompt_tokens: int = 0
+    admitted: float = 0.0
+    first_token: bool = False
+    miss: str = ""                  # why the disk cache had nothing, for the lookup metric
     n_generated: int = 0
     stream: TextStream | None = None
     calls: tools.CallParser | None = None   # set when generated tool calls are parsed
@@ -152,6 +156,9 @@ class Renderer:
             prompt = render(self.text, req, self.tool_memory, self.index.entries, stats)
             if any(x.tool_calls for x in req.messages):
                 self.trace.line(f"request {req.rid}: {stats.line()}")
+                for how in ("memory", "disk", "json"):
+                    if getattr(stats, how):
+                        metrics.M.tool_calls.labels(how).inc(getattr(stats, how))
             full = self.text.encode(prompt)
             if not full:
                 raise PromptError("prompt" if req.kind == "completion" else "messages", "the prompt is empty")
@@ -169,7 +176,7 @@ class Renderer:
             self.to_web(route, m.Failed(rid=req.rid, status=e.status, message=str(e), code=e.code, param=e.param))
             return
         self.to_web(route, m.Accepted(rid=req.rid, prompt_tokens=len(full)))
-        self.queue.append(Pending(route, req, prompt, full))
+        self.queue.append(Pending(route, req, prompt, full, admitted=time.monotonic()))
         self.dispatch()
 
     def cancel(self, rid: str) -> None:
@@ -200,6 +207,9 @@ class Renderer:
                     restore = entry
             elif entry is None and not reuse:
                 self.trace.line(f"KV cache: miss for sha1={prompt_sha} (reason: {why})")
+            p.miss = why.split(" at byte")[0] if entry is None else "shorter than the live session"
+        else:
+            p.miss = "disk cache off"
         keep = 0 if restore else reuse
         n_prompt = restore.n_tokens + len(suffix) if restore else len(ids)
         reused = restore.n_tokens if restore else reuse
@@ -242,6 +252,9 @@ class Renderer:
         self.current_since = time.monotonic()
         if isinstance(ev, m.Begun):
             p.cached, p.prompt_tokens = ev.cached, ev.prompt_tokens
+            outcome = {"live": "live", "disk": "disk"}.get(ev.source, "miss")
+            reason = "" if outcome != "miss" else (ev.detail.split(":")[0] if ev.detail else p.miss or "none")
+            metrics.M.lookups.labels(outcome, reason).inc()
         elif isinstance(ev, m.Token):
             self.on_token(p, ev)
         elif isinstance(ev, m.JobDone):
@@ -263,6 +276,9 @@ class Renderer:
             self.finish(p, ev.finish or "length")
             return
         p.n_generated += 1
+        if not p.first_token:
+            p.first_token = True
+            metrics.M.ttft.observe(time.monotonic() - p.admitted)
         is_stop_tok = ev.id in self.text.stop_ids
         text = "" if is_stop_tok else p.stream.push(ev.id)
         lps = ()
@@ -293,6 +309,9 @@ class Renderer:
         if tail or pieces:
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces)))
         usage = m.Usage(prompt_tokens=p.prompt_tokens or len(p.ids), completion_tokens=p.n_generated, cached_tokens=p.cached)
+        metrics.M.prompt_tokens.inc(usage.prompt_tokens)
+        metrics.M.cached_tokens.inc(usage.cached_tokens)
+        metrics.M.generated_tokens.inc(usage.completion_tokens)
         self.to_web(p.route, m.Finished(rid=p.req.rid, finish_reason=reason, usage=usage))
         p.finished = True
 
@@ -319,6 +338,7 @@ class Renderer:
 def run(argv=None) -> int:
     s = Settings.load("renderer", argv)
     log = setup("renderer", s.log_level)
+    metrics.init(run_dir(s))
     try:
         r = Renderer(s, log)
     except ModelError as e:

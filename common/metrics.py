@@ -1,0 +1,96 @@
+"""Prometheus metrics of every process, aggregated by the web workers' /metrics.
+
+prometheus-client's multiprocess mode: each process writes its samples to files in
+<run dir>/metrics, and /metrics merges them. PROMETHEUS_MULTIPROC_DIR must be set before
+prometheus_client is imported, so metrics are created by init(), never at import; before
+init() (unit tests of one layer) every metric is a no-op.
+"""
+from __future__ import annotations
+
+import os
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400)
+
+
+class _Noop:
+    def labels(self, *a, **k):
+        return self
+
+    def inc(self, *a):
+        pass
+
+    def observe(self, *a):
+        pass
+
+    def set(self, *a):
+        pass
+
+
+class Metrics:
+    def __init__(self):
+        from prometheus_client import Counter, Gauge, Histogram
+        # web
+        self.http_requests = Counter("ricordo_http_requests", "HTTP requests by endpoint and status",
+                                     ["endpoint", "method", "status"])
+        # renderer
+        self.prompt_tokens = Counter("ricordo_prompt_tokens", "prompt tokens of finished requests")
+        self.cached_tokens = Counter("ricordo_cached_tokens", "prompt tokens reused from the live session or disk")
+        self.generated_tokens = Counter("ricordo_generated_tokens", "tokens generated")
+        self.lookups = Counter("ricordo_cache_lookups", "cache decisions by outcome (live, disk, miss) and miss reason",
+                               ["outcome", "reason"])
+        self.ttft = Histogram("ricordo_time_to_first_token_seconds", "from admission to the first token",
+                              buckets=LATENCY_BUCKETS)
+        self.tool_calls = Counter("ricordo_tool_calls_rendered", "assistant tool calls by how they were rendered",
+                                  ["how"])
+        # inference
+        self.restore_seconds = Histogram("ricordo_restore_seconds", "checkpoint restore time", buckets=LATENCY_BUCKETS)
+        self.bytes_read = Counter("ricordo_cache_bytes_read", "checkpoint bytes read on restore")
+        self.prefill_rate = Histogram("ricordo_prefill_tokens_per_second", "prefill speed per request",
+                                      buckets=RATE_BUCKETS)
+        self.decode_rate = Histogram("ricordo_decode_tokens_per_second", "decode speed per request",
+                                     buckets=RATE_BUCKETS)
+        self.live_tokens = Gauge("ricordo_live_session_tokens", "tokens in the live KV session",
+                                 multiprocess_mode="livesum")
+        # persister
+        self.stored = Counter("ricordo_checkpoints_stored", "checkpoints written by reason", ["reason"])
+        self.evictions = Counter("ricordo_evictions", "checkpoints removed (LRU or rejected)", ["why"])
+        self.bytes_written = Counter("ricordo_cache_bytes_written", "checkpoint bytes written")
+        self.save_seconds = Histogram("ricordo_save_seconds", "checkpoint write time (persister)",
+                                      buckets=LATENCY_BUCKETS)
+        self.dir_bytes = Gauge("ricordo_cache_dir_bytes", "bytes of valid entries in the cache directory",
+                               multiprocess_mode="livesum")
+        self.dir_entries = Gauge("ricordo_cache_dir_entries", "valid entries in the cache directory",
+                                 multiprocess_mode="livesum")
+
+
+class _NoMetrics:
+    def __getattr__(self, name):
+        return _Noop()
+
+
+M: Metrics | _NoMetrics = _NoMetrics()
+
+
+def init(run_dir: str) -> None:
+    global M
+    path = os.path.join(run_dir, "metrics")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    M = Metrics()
+
+
+def exposition() -> tuple[bytes, str]:
+    """The merged text format of every process's samples (call only after init)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def process_exit(pid: int) -> None:
+    """Drop a dead process's live gauges."""
+    if isinstance(M, Metrics):
+        from prometheus_client import multiprocess
+        multiprocess.mark_process_dead(pid)
