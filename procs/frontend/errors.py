@@ -48,8 +48,13 @@ def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
+RETRY_AFTER_S = "2"   # a full queue (429) or an unavailable process (503) is worth a retry
+
+
 def from_failed(ev: Failed) -> ApiError:
-    return ApiError(ev.status, ev.message, param=ev.param, code=ev.code, err_type=ev.err_type)
+    headers = {"Retry-After": RETRY_AFTER_S} if ev.status in (429, 503) else None
+    return ApiError(ev.status, ev.message, param=ev.param, code=ev.code, err_type=ev.err_type,
+                    headers=headers)
 
 
 def failed_body(ev: Failed) -> dict:
