@@ -45,6 +45,7 @@ class Persister:
         self.enc, self.dec = m.encoder(), m.decoder(m.PersisterIn)
         self.stop = StopFlag()
         self.tool_ids: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self.warned: set[str] = set()
         if self.store and self.store.usable and not s.disable_exact_tool_replay:
             for sha1 in list(self.store.index):   # ids of earlier runs, for the files written next
                 self.remember(self.store.read_ktm(sha1, s.tool_memory_max_ids).items())
@@ -132,7 +133,10 @@ class Persister:
                 metrics.M.bytes_written.inc(size)
                 metrics.M.save_seconds.observe(dt)
         except Exception as e:  # a failed write loses one checkpoint, never the process
-            self.log.warning("checkpoint not written: %s", e)
+            kind = type(e).__name__ + str(getattr(e, "errno", ""))
+            if kind not in self.warned:   # one clear warning per kind of failure (disk full, read-only...)
+                self.warned.add(kind)
+                self.log.warning("checkpoint not written: %s (further failures of this kind are traced only)", e)
             self.trace.line(f"KV cache: store failed ({e})")
         finally:
             if mm is not None:

@@ -87,6 +87,12 @@ class Store:
         """Write one checkpoint from a slot body; returns its sha1, or None if not written."""
         if not self.usable:
             return None
+        if not os.path.isdir(self.dir):   # deleted while we run: start over, empty
+            self.log.warning("cache dir %s vanished; recreating it", self.dir)
+            self.usable = self._prepare()
+            self.index, self.version = {}, self.version + 1
+            if not self.usable:
+                return None
         sha1 = hashlib.sha1(text).hexdigest()
         final = self.entry_path(sha1)
         old = self.index.get(sha1)
