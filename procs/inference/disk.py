@@ -23,7 +23,7 @@ from shm.slots import SlotPool, body_bytes
 
 KV_DTYPES = {torch.float32: kvfile.KV_F32, torch.bfloat16: kvfile.KV_BF16, torch.float16: kvfile.KV_F16}
 _SHA1 = re.compile(r"[0-9a-f]{40}")
-SLOT_WAIT_S = 10.0
+SLOT_WAIT_S = 3.0   # longest stall for a free slot; after one such timeout, skip until one frees
 
 
 class RestoreError(Exception):
@@ -43,6 +43,7 @@ class Disk:
                                         n_layers=c.n_layers, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                         vocab_size=c.vocab_size, kv_dtype=self.kv_dtype)
         self.pool = None
+        self.stuck = False       # the persister freed nothing within SLOT_WAIT_S: it may be down
         self.last_restore_bytes = 0
         if s.kv_disk_dir:
             cap = body_bytes(n_ctx, c.vocab_size, c.n_layers, c.n_kv_heads, c.head_dim, es)
@@ -63,22 +64,27 @@ class Disk:
     def slot_freed(self, i: int) -> None:
         if self.pool:
             self.pool.release(i)
+            self.stuck = False
 
     def all_free(self) -> None:
         if self.pool:
             self.pool.busy.clear()
+            self.stuck = False
 
     # -- saving --
     def save(self, sess: KVSession, n: int, logits: torch.Tensor | None, reason: int) -> bool:
         if self.pool is None or logits is None or n <= 0 or n > len(sess):
             return False
         i = self.pool.free_slot()
-        end = time.monotonic() + SLOT_WAIT_S
+        end = time.monotonic() + (0 if self.stuck else SLOT_WAIT_S)
         while i is None and time.monotonic() < end:
             self.wait(0.05)      # handles SlotFreed messages
             i = self.pool.free_slot()
         if i is None:
-            self.log.warning("no free slot after %.0f s; checkpoint of %d tokens dropped", SLOT_WAIT_S, n)
+            if not self.stuck:
+                self.log.warning("no free slot after %.0f s (persister down?); checkpoints are "
+                                 "dropped until it frees one", SLOT_WAIT_S)
+            self.stuck = True
             return False
         nbytes = self.pool.write(i, sess.tokens, logits, sess.k, sess.v, n)
         g, c = self.geometry, self.model.cfg
