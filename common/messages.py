@@ -178,6 +178,7 @@ class InferencePing(msgspec.Struct, tag="iping", frozen=True):
 
 class SlotFreed(msgspec.Struct, tag="slot_freed", frozen=True):
     slot: int
+    seq: int                            # frees the slot only if it still carries this save
 
 
 class PersisterHello(msgspec.Struct, tag="persister_hello", frozen=True):
@@ -256,6 +257,7 @@ InferenceOut = Begun | Progress | Token | JobDone | JobError | InferenceHealth |
 
 class SaveCheckpoint(msgspec.Struct, tag="save", frozen=True):
     slot: int
+    seq: int                            # must equal the slot's trailer (shm.slots) to be written
     slot_path: str
     nbytes: int                         # body bytes in the slot (shm.slots.body_bytes)
     tokens: tuple[int, ...]             # the checkpoint's token ids (also in the slot)

@@ -26,8 +26,19 @@ def _generate(argv) -> int:
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                                 top_k=a.top_k, min_p=a.min_p, seed=a.seed)
         validate_sampling(params)
-        from procs.inference.runtime import build, pick_dtype
+        if a.seed is not None and not -2**63 <= a.seed < 2**64:
+            raise ValueError("--seed must fit in 64 bits")
+        if s.chunk_size < 1:
+            raise ValueError("--chunk-size must be >= 1")
+        import torch
+        from procs.inference.runtime import build, pick_device, pick_dtype
         pick_dtype(s.dtype, "cpu")
+        try:
+            device = torch.device(pick_device(s.device))
+        except RuntimeError:
+            raise ValueError(f"unknown device {s.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available")
         path = resolve(s.model, s.models_path())
         text = load_text(path)
         model, ctx, load_s = build(s)
@@ -42,6 +53,9 @@ def _generate(argv) -> int:
     if a.chat:
         prompt = text.render_chat([{"role": "user", "content": prompt}])
     ids = text.encode(text.bos_text() + prompt.encode())
+    if not ids:
+        print("error: the prompt is empty", file=sys.stderr)
+        return 2
     if len(ids) >= ctx:
         print(f"error: prompt of {len(ids)} tokens does not fit the context of {ctx}", file=sys.stderr)
         return 2

@@ -10,6 +10,11 @@
     FREE --inference copies rows, sends SaveCheckpoint--> BUSY --persister writes the file,
     sends SlotFreed--> FREE
 
+    The last 8 bytes of a slot hold the sequence number of the save it carries: inference
+    sets them to 0 before copying rows and to the save's seq after, and the persister
+    checks them against the message before and after writing a file (before its rename),
+    so a stale message (queued while the persister was down) never yields a torn file.
+
 Who: inference creates the files at start (removing stale ones of its tag first), writes
 only FREE slots, and unlinks them at exit. The persister maps a BUSY slot read-only and
 never writes it. A persister that (re)starts says so, and inference frees every slot.
@@ -34,6 +39,9 @@ def slot_path(run_dir: str, i: int) -> str:
     return os.path.join(SHM_DIR, f"{prefix(run_dir)}-{i}")
 
 
+SEQ_BYTES = 8
+
+
 def body_bytes(n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, esize: int) -> int:
     return 4 * n + 4 * vocab + 2 * layers * n * kv_heads * head_dim * esize
 
@@ -54,15 +62,17 @@ class SlotPool:
             finally:
                 os.close(fd)
             self.paths.append(path)
-        self.busy: set[int] = set()
+        self.busy: dict[int, int] = {}   # slot -> seq of the save it carries
 
     def free_slot(self) -> int | None:
         return next((i for i in range(len(self.paths)) if i not in self.busy), None)
 
     def write(self, i: int, tokens: list[int], logits: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              n: int) -> int:
-        """Copy the first n rows of K/V caches [layers, KV, ctx, D] into slot i; returns bytes."""
-        assert i not in self.busy
+              n: int, seq: int) -> int:
+        """Copy the first n rows of K/V caches [layers, KV, ctx, D] into slot i, marked with
+        seq (> 0); returns the body bytes."""
+        assert i not in self.busy and seq > 0
+        set_seq(self.maps[i], 0)
         L, KV, _, D = k.shape
         es = k.element_size()
         buf = torch.frombuffer(self.maps[i], dtype=torch.uint8)
@@ -79,11 +89,13 @@ class SlotPool:
         for layer in range(L):
             view(rows, k.dtype, (n, KV, D)).copy_(k[layer, :, :n].transpose(0, 1))
             view(rows, v.dtype, (n, KV, D)).copy_(v[layer, :, :n].transpose(0, 1))
-        self.busy.add(i)
+        set_seq(self.maps[i], seq)
+        self.busy[i] = seq
         return off
 
-    def release(self, i: int) -> None:
-        self.busy.discard(i)
+    def release(self, i: int, seq: int) -> None:
+        if self.busy.get(i) == seq:
+            del self.busy[i]
 
     def close(self) -> None:
         for mm in self.maps:
@@ -96,6 +108,14 @@ class SlotPool:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+def set_seq(mm: mmap.mmap, seq: int) -> None:
+    mm[len(mm) - SEQ_BYTES:] = seq.to_bytes(SEQ_BYTES, "little")
+
+
+def get_seq(mm: mmap.mmap) -> int:
+    return int.from_bytes(mm[len(mm) - SEQ_BYTES:], "little")
 
 
 def read_slot(path: str, nbytes: int) -> tuple[mmap.mmap, memoryview]:

@@ -195,7 +195,7 @@ def _message(i: int, msg) -> ChatMessage:
         call_id = msg.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
             raise bad(f"{at}.tool_call_id", "a tool message needs a string 'tool_call_id'")
-    if content is None and not (role == "assistant" and calls):
+    if (not content if role == "user" else content is None) and not (role == "assistant" and calls):
         raise bad(f"{at}.content", f"a {role} message needs content")
     return ChatMessage(role=role, content=content or "", tool_calls=calls, tool_call_id=call_id, name=name)
 

@@ -44,6 +44,7 @@ class Disk:
                                         vocab_size=c.vocab_size, kv_dtype=self.kv_dtype)
         self.pool = None
         self.stuck = False       # the persister freed nothing within SLOT_WAIT_S: it may be down
+        self.seq = int(time.time() * 1000)   # save sequence numbers, unique across restarts
         self.last_restore_bytes = 0
         if s.kv_disk_dir:
             cap = body_bytes(n_ctx, c.vocab_size, c.n_layers, c.n_kv_heads, c.head_dim, es)
@@ -61,9 +62,9 @@ class Disk:
             self.wait(0.05)
         self.pool.close()
 
-    def slot_freed(self, i: int) -> None:
+    def slot_freed(self, i: int, seq: int) -> None:
         if self.pool:
-            self.pool.release(i)
+            self.pool.release(i, seq)
             self.stuck = False
 
     def all_free(self) -> None:
@@ -86,9 +87,10 @@ class Disk:
                                  "dropped until it frees one", SLOT_WAIT_S)
             self.stuck = True
             return False
-        nbytes = self.pool.write(i, sess.tokens, logits, sess.k, sess.v, n)
+        self.seq += 1
+        nbytes = self.pool.write(i, sess.tokens, logits, sess.k, sess.v, n, self.seq)
         g, c = self.geometry, self.model.cfg
-        self.send(m.SaveCheckpoint(slot=i, slot_path=self.pool.paths[i], nbytes=nbytes,
+        self.send(m.SaveCheckpoint(slot=i, seq=self.seq, slot_path=self.pool.paths[i], nbytes=nbytes,
                                    tokens=tuple(sess.tokens[:n]), reason=reason, ctx_size=g.ctx_size,
                                    chunk_size=g.chunk_size, n_layers=g.n_layers, kv_heads=g.kv_heads,
                                    head_dim=g.head_dim, vocab_size=g.vocab_size, kv_dtype=g.kv_dtype,

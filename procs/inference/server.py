@@ -78,7 +78,7 @@ class Worker:
             elif isinstance(msg, m.CancelJob):
                 self.cancelled.add(msg.rid)
             elif isinstance(msg, m.SlotFreed):
-                self.disk.slot_freed(msg.slot)
+                self.disk.slot_freed(msg.slot, msg.seq)
             elif isinstance(msg, m.PersisterHello):
                 self.disk.all_free()
             else:

@@ -20,7 +20,7 @@ from common.models import load_text, resolve
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
 from procs.persister.store import Store
-from shm.slots import read_slot
+from shm.slots import get_seq, read_slot
 
 SNAPSHOT_EVERY_S = 2.0
 SHUTDOWN_GRACE_S = 4.0    # after SIGTERM, wait this long for inference's shutdown save
@@ -113,14 +113,17 @@ class Persister:
 
     def save(self, msg: m.SaveCheckpoint) -> None:
         t0 = time.perf_counter()
-        mm = None
+        mm = body = None
         try:
             if self.store is None:
                 return
             mm, body = read_slot(msg.slot_path, msg.nbytes)
+            if get_seq(mm) != msg.seq:
+                self.log.info("skipping a stale save (slot %d reused)", msg.slot)
+                return
             text = self.text.piece_bytes(msg.tokens)
-            sha1 = self.store.write(msg, body, text, self.ktm_for(text))
-            body.release()
+            sha1 = self.store.write(msg, body, text, self.ktm_for(text),
+                                    still_valid=lambda: get_seq(mm) == msg.seq)
             if sha1:
                 dt = time.perf_counter() - t0
                 size = self.store.index[sha1].size if sha1 in self.store.index else 0
@@ -139,12 +142,14 @@ class Persister:
                 self.log.warning("checkpoint not written: %s (further failures of this kind are traced only)", e)
             self.trace.line(f"KV cache: store failed ({e})")
         finally:
+            if body is not None:
+                body.release()
             if mm is not None:
                 try:
                     mm.close()
                 except BufferError:   # a view still alive after a failure; GC frees the map
                     pass
-            self.send(self.to_inference, m.SlotFreed(slot=msg.slot))
+            self.send(self.to_inference, m.SlotFreed(slot=msg.slot, seq=msg.seq))
 
     def publish(self) -> None:
         if self.store is None:

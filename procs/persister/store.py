@@ -19,6 +19,10 @@ from common import messages as m
 from common.policy import lru_victims
 
 
+class StaleSlot(Exception):
+    pass
+
+
 class Store:
     def __init__(self, path: str, budget_mb: int, log, trace):
         self.dir, self.budget = path, budget_mb * 1024 * 1024
@@ -83,8 +87,11 @@ class Store:
     def snapshot(self) -> m.IndexSnapshot:
         return m.IndexSnapshot(entries=tuple(self.index.values()), version=self.version)
 
-    def write(self, save: m.SaveCheckpoint, body: memoryview, text: bytes, ktm: dict[str, bytes]) -> str | None:
-        """Write one checkpoint from a slot body; returns its sha1, or None if not written."""
+    def write(self, save: m.SaveCheckpoint, body: memoryview, text: bytes, ktm: dict[str, bytes],
+              still_valid=lambda: True) -> str | None:
+        """Write one checkpoint from a slot body; returns its sha1, or None if not written.
+        still_valid() is asked after the data is on disk and before the rename: False (the
+        slot was reused meanwhile) discards the file."""
         if not self.usable:
             return None
         if not os.path.isdir(self.dir):   # deleted while we run: start over, empty
@@ -123,6 +130,8 @@ class Store:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if not still_valid():
+                raise StaleSlot("the slot was reused while it was being written")
             os.replace(tmp, final)
             dfd = os.open(self.dir, os.O_RDONLY)
             try:
