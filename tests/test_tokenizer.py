@@ -1,0 +1,134 @@
+"""Text side of the default model against llama.cpp: token ids, piece bytes, the incremental
+detokenizer, the chat template; and the GGUF reader / model resolution error paths."""
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+
+from common.detok import Detokenizer
+from common.gguf_file import GGUFError, GGUFFile
+from common.models import ModelError, load_text, resolve
+
+
+def all_cases(vectors):
+    return [(c.get("name") or c["text"][:30], c["text"], c["token_ids"])
+            for c in vectors["cases"] + vectors["tokenizer_cases"]]
+
+
+def _invalid_alone(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
+
+
+def test_token_ids_match_llama_cpp(text_model, vectors):
+    bad = []
+    for name, text, ref in all_cases(vectors):
+        got = text_model.encode(text)
+        if got != ref:
+            bad.append((name, got, ref))
+    assert not bad, f"{len(bad)} case(s) differ from llama.cpp: {bad[:2]}"
+
+
+def test_encode_bytes_and_empty(text_model, vectors):
+    text = vectors["cases"][4]["text"]          # several scripts, emoji
+    assert text_model.encode(text.encode()) == vectors["cases"][4]["token_ids"]
+    assert text_model.encode("") == [] and text_model.encode(b"") == []
+
+
+def test_piece_bytes_are_the_text_bytes(text_model, vectors):
+    for name, text, ref in all_cases(vectors):
+        assert text_model.piece_bytes(ref) == text.encode("utf-8"), name
+    assert text_model.vocab_size == len(text_model.pieces) == 49152
+
+
+def test_detokenizer_reconstructs_text(text_model, vectors):
+    split_chars = 0
+    for name, text, ref in all_cases(vectors):
+        d = Detokenizer(text_model.pieces)
+        deltas = [d.push(t) for t in ref]
+        assert "".join(deltas) + d.flush() == text, name
+        # a delta never carries a replacement char that a later token would have fixed
+        assert all("\ufffd" not in x for x in deltas), name
+        split_chars += sum(_invalid_alone(text_model.pieces[t]) for t in ref)
+    assert split_chars > 10, "no case splits a multi-byte character across tokens"
+
+
+def test_detokenizer_holds_partial_char_and_flushes_invalid(text_model):
+    d = Detokenizer(text_model.pieces)
+    ids = text_model.encode("🙂")
+    assert len(ids) > 1                          # a 4-byte char in several byte tokens
+    assert [d.push(t) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert d.push(ids[-1]) == "🙂"
+    # a lone lead byte at the end is flushed as a replacement char, not lost or raised
+    lead = text_model.pieces.index(b"\xf0")
+    assert d.push(lead) == ""
+    assert d.flush() == "\ufffd" and d.flush() == ""
+
+
+def test_chat_template_renders_reference(text_model, vectors):
+    msgs = [{"role": "user", "content": "Ciao"},
+            {"role": "assistant", "content": "Ciao! How can I help you today?"},
+            {"role": "user", "content": "Come stai?"}]
+    assert text_model.render_chat(msgs) == vectors["cases"][0]["text"]   # default system prompt
+
+
+def test_special_ids(text_model):
+    p = text_model.pieces
+    assert p[text_model.eos_id] == b"<|im_end|>"
+    assert {p[i] for i in text_model.stop_ids} == {b"<|im_end|>", b"<|endoftext|>"}
+    assert text_model.bos_text() == b""          # SmolLM2: add_bos_token false
+
+
+# ------------------------------------------------------------------ GGUF reader / resolution
+
+def test_gguf_reader(model_path):
+    g = GGUFFile(model_path)
+    assert g.version == 3 and g.arch() == "llama"
+    emb = g.tensors["token_embd.weight"]
+    assert emb.shape == (576, 49152)
+    assert g.raw("token_embd.weight").nbytes == emb.nbytes
+    assert int(g.meta["llama.block_count"]) == 30
+
+
+def _write(path, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return str(path)
+
+
+@pytest.mark.parametrize("data", [
+    b"",                                                    # empty
+    bytes(range(256)) * 4,                                  # junk
+    b"GGUF",                                                # header cut short
+    b"GGUF" + struct.pack("<I", 9) + bytes(16),             # unknown version
+    b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1 << 40),   # key past EOF
+    b"GGUF" + struct.pack("<IQQ", 3, 1 << 40, 0),           # implausible counts
+], ids=["empty", "junk", "short", "version", "key-past-eof", "counts"])
+def test_gguf_reader_rejects_bad_files(tmp_path, data):
+    p = _write(tmp_path / "bad.gguf", data)
+    with pytest.raises(GGUFError):
+        GGUFFile(p)
+    with pytest.raises(ModelError):
+        load_text(p)
+
+
+def test_load_text_rejects_gguf_without_tokenizer(tmp_path):
+    p = _write(tmp_path / "bare.gguf", b"GGUF" + struct.pack("<IQQ", 3, 0, 0))
+    with pytest.raises(ModelError, match="tokenizer"):
+        load_text(p)
+
+
+def test_resolve(tmp_path, model_path):
+    assert resolve(model_path, str(tmp_path)) == model_path
+    with pytest.raises(ModelError, match="not found"):
+        resolve(str(tmp_path / "nope.gguf"), str(tmp_path))
+    with pytest.raises(ModelError, match="fetch-model"):      # default model missing: a hint
+        resolve("", str(tmp_path))
+    os.mkdir(tmp_path / "dir")
+    with pytest.raises(ModelError, match="tokenizer.json"):
+        load_text(str(tmp_path / "dir"))
