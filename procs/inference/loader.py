@@ -108,7 +108,7 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-def fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> bytes:
+def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     """16 bytes naming the model, not its quantization: the geometry plus the RMSNorm
     weights, which every GGUF quantization keeps in F32 and a safetensors dir holds
     exactly, so Q4 and Q8 files (and the HF original) of one model agree, and two
@@ -116,8 +116,8 @@ def fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> bytes:
     dims = {k: v for k, v in asdict(cfg).items() if k not in ("quant_bits", "max_context")}
     h = hashlib.blake2b(digest_size=16)
     h.update(b"llama\0" + json.dumps(dims, sort_keys=True).encode())
-    for name in sorted(n for n in tensors if n.endswith("norm")):
-        h.update(name.encode() + tensors[name].float().cpu().numpy().tobytes())
+    for name in sorted(norms):   # as stored (f32), before any cast to the compute dtype
+        h.update(name.encode() + norms[name].cpu().numpy().tobytes())
     return h.digest()
 
 
@@ -153,7 +153,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
                      ("attn_v", "wv"), ("attn_output", "wo"), ("ffn_norm", "ffn_norm"),
                      ("ffn_gate", "w_gate"), ("ffn_up", "w_up"), ("ffn_down", "w_down")):
             names[f"blk.{i}.{a}.weight"] = f"layers.{i}.{b}"
-    tensors, q4 = {}, {}
+    tensors, q4, norms = {}, {}, {}
     for gname, ours in names.items():
         if gname not in g.tensors:
             if ours == "lm_head":
@@ -164,11 +164,13 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         heads = {".wq": cfg.n_heads, ".wk": cfg.n_kv_heads}.get(ours[-3:])
         if heads:
             w = _unpermute(w, heads)
+        if ours.endswith("norm"):
+            norms[ours] = w.float()
         tensors[ours] = w.to(device=device, dtype=dtype)
         if info.type_name in ("Q4_0", "Q4_1") and ours.startswith("layers."):
             parts = _q4_parts(g, gname)
             q4[ours] = tuple(_unpermute(x, heads) for x in parts) if heads else parts
-    return LoadedWeights(cfg, tensors, fingerprint(cfg, tensors), q4)
+    return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4)
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -219,15 +221,17 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
                      ("mlp.gate_proj", "w_gate"), ("mlp.up_proj", "w_up"),
                      ("mlp.down_proj", "w_down")):
             names[pre + a + ".weight"] = f"layers.{i}.{b}"
-    tensors = {}
+    tensors, norms = {}, {}
     for hf, ours in names.items():
         if hf not in st:
             if ours == "lm_head":
                 continue
             raise ModelLoadError(f"{path}: missing tensor {hf}")
         w = st[hf]
+        if ours.endswith("norm"):
+            norms[ours] = w.float()
         tensors[ours] = w.to(device=device, dtype=dtype)
-    return LoadedWeights(cfg, tensors, fingerprint(cfg, tensors), {})
+    return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})
 
 
 def load(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
