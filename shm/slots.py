@@ -26,8 +26,6 @@ import hashlib
 import mmap
 import os
 
-import torch
-
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
@@ -67,10 +65,11 @@ class SlotPool:
     def free_slot(self) -> int | None:
         return next((i for i in range(len(self.paths)) if i not in self.busy), None)
 
-    def write(self, i: int, tokens: list[int], logits: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def write(self, i: int, tokens: list[int], logits, k, v,
               n: int, seq: int) -> int:
         """Copy the first n rows of K/V caches [layers, KV, ctx, D] into slot i, marked with
         seq (> 0); returns the body bytes."""
+        import torch   # here, not at import: the persister maps slots without torch
         assert i not in self.busy and seq > 0
         set_seq(self.maps[i], 0)
         L, KV, _, D = k.shape

@@ -42,10 +42,10 @@ class Worker:
         self.pull = ctx.socket(zmq.PULL)
         self.pull.bind(address(s, INFERENCE_JOBS))
         self.push = ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 1000)
+        self.push.setsockopt(zmq.LINGER, 200)
         self.push.connect(address(s, RENDERER_EVENTS))
         self.to_persister = ctx.socket(zmq.PUSH)
-        self.to_persister.setsockopt(zmq.LINGER, 2000)
+        self.to_persister.setsockopt(zmq.LINGER, 300)
         self.to_persister.connect(address(s, PERSISTER))
         self.enc, self.dec = m.encoder(), m.decoder(m.InferenceIn)
         self.trace = Trace(s.trace, "inference")
@@ -186,7 +186,7 @@ class Worker:
                               100 * done // total, done, total, rate, (total - done) / rate)
             self.check(job.rid)
 
-        reason, n = "cancelled", 0
+        reason, n, t1 = "cancelled", 0, None
         s = self.s
         try:
             saves = [p for p in job.saves if r < p.pos <= len(ids)] if self.disk.enabled else []
@@ -223,7 +223,7 @@ class Worker:
                     reason = finish
                     break
         except Cancelled:
-            t1 = time.perf_counter()
+            t1 = t1 or time.perf_counter()
         t2 = time.perf_counter()
         self.send(m.JobDone(rid=job.rid, reason=reason, live=tuple(self.live.tokens)))
         source = "disk" if job.restore and r else ("live" if r else "cold")

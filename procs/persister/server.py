@@ -23,7 +23,8 @@ from procs.persister.store import Store
 from shm.slots import get_seq, read_slot
 
 SNAPSHOT_EVERY_S = 2.0
-SHUTDOWN_GRACE_S = 4.0    # after SIGTERM, wait this long for inference's shutdown save
+SHUTDOWN_GRACE_S = 3.0    # after SIGTERM, wait this long for inference's shutdown save
+                          # (honcho kills everything 5 s after its SIGTERM)
 KTM_SCAN_IDS = 4096       # newest tool ids checked against each checkpoint's text
 
 
@@ -39,7 +40,7 @@ class Persister:
         self.to_inference = ctx.socket(zmq.PUSH)
         self.to_renderer = ctx.socket(zmq.PUSH)
         for sock, name in ((self.to_inference, INFERENCE_JOBS), (self.to_renderer, RENDERER_EVENTS)):
-            sock.setsockopt(zmq.LINGER, 500)
+            sock.setsockopt(zmq.LINGER, 200)
             sock.setsockopt(zmq.SNDHWM, 16)
             sock.connect(address(s, name))
         self.enc, self.dec = m.encoder(), m.decoder(m.PersisterIn)
