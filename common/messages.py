@@ -241,6 +241,7 @@ class IndexEntry(msgspec.Struct, frozen=True):
     ctx_size: int
     size: int
     last_used: int
+    created: int = 0
 
 
 class IndexSnapshot(msgspec.Struct, tag="index", frozen=True):

@@ -296,8 +296,6 @@ def test_store_eviction_lru_keeps_just_written(tmp_path, monkeypatch):
     assert entry_files(d) == files
 
 
-@pytest.mark.xfail(strict=True, reason="Store.evict passes last_used as the creation time: ties on "
-                   "last-used are broken by file name, not by creation time (KV-FORMAT.md section 8)")
 def test_store_eviction_ties_broken_by_creation_time(tmp_path, monkeypatch):
     """X created at 100 and restored at 200, Y created at 200: both last used at 200, X is the
     older one and must go first. The seeds make Y's name sort first, so that a tie broken by

@@ -18,7 +18,7 @@ from common.config import Settings
 from common.lifecycle import StopFlag
 from common import metrics
 from common.logs import setup
-from common.policy import continued_frontiers
+from common.policy import cold_position, continued_frontiers
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
 from procs.inference.disk import Disk, RestoreError
@@ -143,6 +143,7 @@ class Worker:
                 self.send(m.Begun(rid=job.rid, cached=0, prompt_tokens=len(job.ids), source="cold",
                                   detail=f"restore failed: {e.reason}"))
                 self.last_frontier = 0
+                self.fallback_cold = True
                 return list(job.ids), 0
             ids = list(self.live.tokens) + list(job.suffix)
             self.send_persister(m.Restored(sha1=job.restore))
@@ -172,6 +173,7 @@ class Worker:
 
     def execute(self, job: m.Job) -> None:
         t0 = time.perf_counter()
+        self.fallback_cold = False
         ids, r = self.start(job)
         todo = len(ids) - r
         last_log = [t0]
@@ -190,6 +192,10 @@ class Worker:
         s = self.s
         try:
             saves = [p for p in job.saves if r < p.pos <= len(ids)] if self.disk.enabled else []
+            if self.fallback_cold and self.disk.enabled:   # the plan assumed the restore
+                pos = cold_position(len(ids), 0, s.kv_cache_min_tokens, s.kv_cache_cold_max_tokens,
+                                    s.kv_cache_boundary_align_tokens, s.kv_cache_boundary_trim_tokens)
+                saves = [m.SavePoint(pos=pos, reason=kvfile.COLD)] if pos else []
             frontiers = continued_frontiers(r, len(ids), s.kv_cache_continued_interval_tokens,
                                             s.kv_cache_boundary_align_tokens, self.last_frontier) \
                 if self.disk.enabled else []

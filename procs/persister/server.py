@@ -25,7 +25,11 @@ from shm.slots import get_seq, read_slot
 SNAPSHOT_EVERY_S = 2.0
 SHUTDOWN_GRACE_S = 3.0    # after SIGTERM, wait this long for inference's shutdown save
                           # (honcho kills everything 5 s after its SIGTERM)
-KTM_SCAN_IDS = 4096       # newest tool ids checked against each checkpoint's text
+KTM_SCAN_IDS = 4096
+# restore rejections that mean the file itself is broken (kvfile reasons): only these delete
+CORRUPT = {"bad magic", "wrong version", "truncated", "payload size mismatch", "bad payload magic",
+           "wrong payload version", "token count mismatch", "context mismatch", "bad payload header",
+           "trailing bytes", "checksum mismatch", "text does not match the name", "token id out of range"}       # newest tool ids checked against each checkpoint's text
 
 
 class Persister:
@@ -91,7 +95,8 @@ class Persister:
         elif isinstance(msg, m.Restored):
             self.store.bump(msg.sha1)
         elif isinstance(msg, m.Rejected):
-            self.store.remove(msg.sha1, f"rejected on restore: {msg.reason}")
+            if msg.reason in CORRUPT:   # another model's or quantization's files stay
+                self.store.remove(msg.sha1, f"rejected on restore: {msg.reason}")
         elif isinstance(msg, m.ToolIds) and not self.s.disable_exact_tool_replay:
             self.remember(msg.entries)
 

@@ -12,6 +12,7 @@ import os
 import stat
 import time
 
+import msgspec
 import numpy as np
 
 from common import kvfile, metrics
@@ -82,7 +83,7 @@ class Store:
     @staticmethod
     def _entry(sha1, h: kvfile.Header, text_len: int, size: int) -> m.IndexEntry:
         return m.IndexEntry(sha1=sha1, text_len=text_len, n_tokens=h.n_tokens, quant_bits=h.quant_bits,
-                            ctx_size=h.ctx_size, size=size, last_used=h.last_used)
+                            ctx_size=h.ctx_size, size=size, last_used=h.last_used, created=h.created)
 
     def snapshot(self) -> m.IndexSnapshot:
         return m.IndexSnapshot(entries=tuple(self.index.values()), version=self.version)
@@ -151,7 +152,7 @@ class Store:
         return sha1
 
     def evict(self, keep: set[str]) -> list[str]:
-        rows = [(e.sha1, e.size, e.last_used, e.last_used) for e in self.index.values()]
+        rows = [(e.sha1, e.size, e.last_used, e.created) for e in self.index.values()]
         victims = lru_victims(rows, self.budget, keep=frozenset(keep))
         for sha1 in victims:
             self.remove(sha1, "lru, over the disk budget")
@@ -182,8 +183,5 @@ class Store:
         except (OSError, kvfile.KVFileError) as e:
             self.log.warning("could not bump hits of %s: %s", sha1, e)
             return
-        e = self.index[sha1]
-        self.index[sha1] = m.IndexEntry(sha1=e.sha1, text_len=e.text_len, n_tokens=e.n_tokens,
-                                        quant_bits=e.quant_bits, ctx_size=e.ctx_size, size=e.size,
-                                        last_used=int(time.time()))
+        self.index[sha1] = msgspec.structs.replace(self.index[sha1], last_used=int(time.time()))
         self.version += 1
