@@ -175,7 +175,9 @@ class Job:
 
 class Endpoint:
     """POST of one agent API. Subclasses give parse(body, rid) -> Job, whole(job, outline,
-    finished) -> dict and events(job, accepted) -> a Shaper (see `run_sse`)."""
+    finished) -> the JSON answer, and shaper(job, accepted) -> the streamed events' shaper
+    (see `_events`). The flow is app.Generate's: a streamed answer's HTTP status waits for
+    Accepted or Failed; a client that leaves cancels the request."""
 
     def __init__(self, backend, settings, model_id: str):
         self.backend, self.settings, self.model_id = backend, settings, model_id
