@@ -287,6 +287,13 @@ class Renderer:
         pieces = []
         if p.calls is not None:
             text, pieces = p.calls.push(text)
+            if p.calls.done:      # a call was closed and the model went on with something else
+                p.calls.close_block()
+                if pieces:
+                    self.to_web(p.route, m.Delta(rid=p.req.rid, logprobs=lps, tool_calls=tuple(pieces)))
+                self.finish(p, "tool_calls")
+                self.to_inference(m.CancelJob(rid=p.req.rid))
+                return
         if p.stream.stopped:   # a stop string: end here, and stop the model
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
             self.finish(p, "stop")

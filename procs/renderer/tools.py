@@ -166,9 +166,12 @@ class CallParser:
         self.block = opened          # the whole block text so far
         self.calls: list[tuple[str, str, str]] = []   # (id, name, arguments)
         self.scan = 0
+        self.closed = False          # close_block() ran: nothing more is taken
 
     def push(self, text: str) -> tuple[str, list[m.ToolCallDelta]]:
         """(content text to emit, call pieces to emit)."""
+        if self.closed:
+            return "", []
         if not self.content_done:
             self.buf += text
             i = self.buf.find(OPEN)
@@ -211,6 +214,20 @@ class CallParser:
             pieces.append(m.ToolCallDelta(index=idx, id=cid, name=name))
             for k in range(0, len(args_text), 64):   # argument fragments, as OpenAI streams them
                 pieces.append(m.ToolCallDelta(index=idx, arguments=args_text[k:k + 64]))
+
+    @property
+    def done(self) -> bool:
+        """After a closed call, text that cannot open another call: the answer is over (small
+        models ramble on after a call; what they add is never rendered back)."""
+        if not self.calls:
+            return False
+        rest = self.buf[self.scan:].lstrip()
+        return bool(rest) and not rest.startswith(OPEN[:len(rest)])
+
+    def close_block(self) -> None:
+        """Cut the block after the last closed call (what replay will render)."""
+        self.block = self.buf = self.buf[:self.scan]
+        self.closed = True
 
     def flush(self) -> str:
         """At the end: content still held back, or the block as text if no call parsed."""
