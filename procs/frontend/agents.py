@@ -22,12 +22,12 @@ from common.messages import Accepted, Delta, Failed, Finished, GenerateRequest
 from procs.frontend import app as app_mod
 from procs.frontend.backend import new_rid
 from procs.frontend.errors import ApiError, bad, from_failed
+from procs.frontend.schema import get_bool, get_int, get_num  # noqa: F401 (re-exported to the agent APIs)
 from procs.frontend.stream import DISCONNECTED, END, TIMEOUT, Pump
 
 log = logging.getLogger("web")
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_I64_MIN, _U64_END = -(1 << 63), 1 << 64
 
 
 def encode(obj) -> bytes:
@@ -37,36 +37,6 @@ def encode(obj) -> bytes:
 def json_text(v) -> str:
     return msgspec.json.encode(v).decode()
 
-
-# -- typed getters: None (or absent) means the default ----------------------------------
-
-def get_int(body: dict, key: str, default=None, lo: int | None = None):
-    v = body.get(key)
-    if v is None:
-        return default
-    if type(v) is not int or not _I64_MIN <= v < _U64_END:
-        raise bad(key, f"'{key}' must be an integer")
-    if lo is not None and v < lo:
-        raise bad(key, f"'{key}' must be >= {lo}")
-    return v
-
-
-def get_num(body: dict, key: str, default: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if type(v) not in (int, float):
-        raise bad(key, f"'{key}' must be a number")
-    return float(v)
-
-
-def get_bool(body: dict, key: str, default: bool = False) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if type(v) is not bool:
-        raise bad(key, f"'{key}' must be a boolean")
-    return v
 
 
 def chat_tool(name, description, parameters, at: str, schema_key: str = "parameters") -> dict:

@@ -31,7 +31,7 @@ class Parsed:
 
 # -- typed getters: None (or absent) means the default -----------------------------------
 
-def _int(body: dict, key: str, default=None):
+def get_int(body: dict, key: str, default=None, lo: int | None = None):
     v = body.get(key)
     if v is None:
         return default
@@ -39,10 +39,12 @@ def _int(body: dict, key: str, default=None):
         raise bad(key, f"'{key}' must be an integer")
     if not _I64_MIN <= v < _U64_END:
         raise bad(key, f"'{key}' is out of range")
+    if lo is not None and v < lo:
+        raise bad(key, f"'{key}' must be >= {lo}")
     return v
 
 
-def _num(body: dict, key: str, default: float) -> float:
+def get_num(body: dict, key: str, default: float) -> float:
     v = body.get(key)
     if v is None:
         return default
@@ -51,7 +53,7 @@ def _num(body: dict, key: str, default: float) -> float:
     return float(v)
 
 
-def _bool(body: dict, key: str, default: bool = False) -> bool:
+def get_bool(body: dict, key: str, default: bool = False) -> bool:
     v = body.get(key)
     if v is None:
         return default
@@ -73,16 +75,16 @@ def check_model(body: dict, served_id: str) -> None:
 
 def _sampling(body: dict, top_logprobs: int) -> SamplingParams:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    mt = _int(body, key)
+    mt = get_int(body, key)
     if mt is not None and mt < 0:
         raise bad(key, f"'{key}' must be >= 0")
     d = SamplingParams()
-    seed = _int(body, "seed")
+    seed = get_int(body, "seed")
     p = SamplingParams(max_tokens=UNTIL_FULL if mt is None else min(mt, UNTIL_FULL),
-                       temperature=_num(body, "temperature", d.temperature),
-                       top_p=_num(body, "top_p", d.top_p),
-                       top_k=min(_int(body, "top_k", d.top_k), UNTIL_FULL),
-                       min_p=_num(body, "min_p", d.min_p),
+                       temperature=get_num(body, "temperature", d.temperature),
+                       top_p=get_num(body, "top_p", d.top_p),
+                       top_k=min(get_int(body, "top_k", d.top_k), UNTIL_FULL),
+                       min_p=get_num(body, "min_p", d.min_p),
                        seed=seed, top_logprobs=top_logprobs)
     try:
         validate_sampling(p)
@@ -111,7 +113,7 @@ def _n(body: dict) -> None:
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
-    stream = _bool(body, "stream")
+    stream = get_bool(body, "stream")
     opts = body.get("stream_options")
     if opts is None:
         return stream, False
@@ -251,8 +253,8 @@ def parse_chat(body: dict, served_id: str, rid: str) -> Parsed:
         raise bad("messages", "'messages' must be a non-empty list")
     messages = tuple(_message(i, x) for i, x in enumerate(msgs))
     _n(body)
-    logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0)
+    logprobs = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", 0)
     if top and not logprobs:
         raise bad("top_logprobs", "'logprobs' must be true when 'top_logprobs' is used")
     sampling = _sampling(body, top)
@@ -283,7 +285,7 @@ def parse_completion(body: dict, served_id: str, rid: str) -> Parsed:
     check_model(body, served_id)
     prompt = _prompt(body)
     _n(body)
-    if body.get("echo") is not None and _bool(body, "echo"):
+    if body.get("echo") is not None and get_bool(body, "echo"):
         raise bad("echo", "echo is not supported")
     best_of = body.get("best_of")
     if best_of is not None and not (type(best_of) is int and best_of == 1):
@@ -295,7 +297,7 @@ def parse_completion(body: dict, served_id: str, rid: str) -> Parsed:
     if type(lp) is bool:            # some clients send the chat style
         lp = 0 if lp else None
     elif lp is not None:
-        lp = _int(body, "logprobs")
+        lp = get_int(body, "logprobs")
         if not 0 <= lp <= 20:
             raise bad("logprobs", "'logprobs' must be between 0 and 20")
     sampling = _sampling(body, lp or 0)
