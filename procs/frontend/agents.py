@@ -38,7 +38,6 @@ def json_text(v) -> str:
     return msgspec.json.encode(v).decode()
 
 
-
 def chat_tool(name, description, parameters, at: str, schema_key: str = "parameters") -> dict:
     """One tool in the chat shape ({"type": "function", "function": {...}}), keys in the order
     a chat client sends them, so the same tools render (and cache) alike from every API."""
