@@ -170,6 +170,7 @@ class Job(msgspec.Struct, tag="job", frozen=True):
 
 class CancelJob(msgspec.Struct, tag="cancel_job", frozen=True):
     rid: str
+    keep: int = -1                      # >= 0: then cut the live session to this many tokens
 
 
 class InferencePing(msgspec.Struct, tag="iping", frozen=True):

@@ -53,6 +53,7 @@ class Worker:
         self.last_frontier = 0   # the live session's last continued checkpoint position
         self.jobs: collections.deque[m.Job] = collections.deque()
         self.cancelled: set[str] = set()
+        self.keep: dict[str, int] = {}   # rid -> live tokens to keep when it is cancelled
         self.stop = StopFlag()
 
     def send(self, msg) -> None:
@@ -77,6 +78,8 @@ class Worker:
                 self.jobs.append(msg)
             elif isinstance(msg, m.CancelJob):
                 self.cancelled.add(msg.rid)
+                if msg.keep >= 0:
+                    self.keep[msg.rid] = msg.keep
             elif isinstance(msg, m.SlotFreed):
                 self.disk.slot_freed(msg.slot, msg.seq)
             elif isinstance(msg, m.PersisterHello):
@@ -230,6 +233,9 @@ class Worker:
                     break
         except Cancelled:
             t1 = t1 or time.perf_counter()
+        keep = self.keep.pop(job.rid, -1)
+        if 0 <= keep < len(self.live):   # tokens the answer does not keep (after a tool call)
+            self.live.truncate(keep)
         t2 = time.perf_counter()
         self.send(m.JobDone(rid=job.rid, reason=reason, live=tuple(self.live.tokens)))
         source = "disk" if job.restore and r else ("live" if r else "cold")

@@ -25,11 +25,11 @@ from shm.slots import get_seq, read_slot
 SNAPSHOT_EVERY_S = 2.0
 SHUTDOWN_GRACE_S = 3.0    # after SIGTERM, wait this long for inference's shutdown save
                           # (honcho kills everything 5 s after its SIGTERM)
-KTM_SCAN_IDS = 4096
+KTM_SCAN_IDS = 4096       # newest tool ids checked against each checkpoint's text
 # restore rejections that mean the file itself is broken (kvfile reasons): only these delete
 CORRUPT = {"bad magic", "wrong version", "truncated", "payload size mismatch", "bad payload magic",
            "wrong payload version", "token count mismatch", "context mismatch", "bad payload header",
-           "trailing bytes", "checksum mismatch", "text does not match the name", "token id out of range"}       # newest tool ids checked against each checkpoint's text
+           "trailing bytes", "checksum mismatch", "text does not match the name", "token id out of range"}
 
 
 class Persister:

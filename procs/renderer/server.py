@@ -42,6 +42,7 @@ class Pending:
     prompt_tokens: int = 0
     admitted: float = 0.0
     first_token: bool = False
+    gen_bytes: list[int] = field(default_factory=list)   # cumulative bytes after each generated token
     miss: str = ""                  # why the disk cache had nothing, for the lookup metric
     n_generated: int = 0
     stream: TextStream | None = None
@@ -276,6 +277,7 @@ class Renderer:
             self.finish(p, ev.finish or "length")
             return
         p.n_generated += 1
+        p.gen_bytes.append((p.gen_bytes[-1] if p.gen_bytes else 0) + len(self.text.pieces[ev.id]))
         if not p.first_token:
             p.first_token = True
             metrics.M.ttft.observe(time.monotonic() - p.admitted)
@@ -288,11 +290,14 @@ class Renderer:
         if p.calls is not None:
             text, pieces = p.calls.push(text)
             if p.calls.done:      # a call was closed and the model went on with something else
-                p.calls.close_block()
+                kept = p.calls.close_block()
                 if pieces:
                     self.to_web(p.route, m.Delta(rid=p.req.rid, logprobs=lps, tool_calls=tuple(pieces)))
                 self.finish(p, "tool_calls")
-                self.to_inference(m.CancelJob(rid=p.req.rid))
+                # the live session keeps only the tokens inside content + block, so that it and
+                # its checkpoints stay a byte prefix of the next turn's prompt
+                k = sum(1 for b in p.gen_bytes if b <= kept)
+                self.to_inference(m.CancelJob(rid=p.req.rid, keep=(p.prompt_tokens or len(p.ids)) + k))
                 return
         if p.stream.stopped:   # a stop string: end here, and stop the model
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
