@@ -234,8 +234,10 @@ class Worker:
         except Cancelled:
             t1 = t1 or time.perf_counter()
         keep = self.keep.pop(job.rid, -1)
-        if 0 <= keep < len(self.live):   # tokens the answer does not keep (after a tool call)
-            self.live.truncate(keep)
+        if 0 < keep < len(self.live):   # tokens the answer does not keep (after a tool call):
+            last = self.live.tokens[keep - 1]   # cut them, and re-run the last kept token for
+            self.live.truncate(keep - 1)        # its logits (decode rows, as when generated),
+            self.live.decode(last)              # so the session can still be checkpointed
         t2 = time.perf_counter()
         self.send(m.JobDone(rid=job.rid, reason=reason, live=tuple(self.live.tokens)))
         source = "disk" if job.restore and r else ("live" if r else "cold")
