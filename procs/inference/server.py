@@ -222,15 +222,15 @@ class Worker:
                 n += 1
                 finish = "stop" if tok in stop_ids else ("length" if n >= budget else "")
                 self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish))
-                if not finish:
-                    self.check(job.rid)
-                if len(self.live) < self.n_ctx:   # the live session holds every sampled token
-                    logits = self.live.decode(tok)
-                    if self.disk.enabled:
-                        self.save_frontiers(len(self.live) - 1, len(self.live), {len(self.live): logits})
                 if finish:
+                    # the last token is not run: the next turn's prompt starts with it, and
+                    # its prefill takes it for almost nothing, instead of a decode step here
                     reason = finish
                     break
+                self.check(job.rid)
+                logits = self.live.decode(tok)
+                if self.disk.enabled:
+                    self.save_frontiers(len(self.live) - 1, len(self.live), {len(self.live): logits})
         except Cancelled:
             t1 = t1 or time.perf_counter()
         keep = self.keep.pop(job.rid, -1)
