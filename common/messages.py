@@ -166,6 +166,8 @@ class Job(msgspec.Struct, tag="job", frozen=True):
     suffix: tuple[int, ...] = ()        # prompt tokens after the restored checkpoint's text
     saves: tuple[SavePoint, ...] = ()   # prompt-side checkpoints (cold, continued)
     evict: bool = False                 # save the whole live session before replacing it
+    run_last: bool = False              # run the last sampled token too (a tool call's block
+                                        # must be whole in the session and its checkpoints)
 
 
 class CancelJob(msgspec.Struct, tag="cancel_job", frozen=True):

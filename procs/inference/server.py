@@ -223,9 +223,11 @@ class Worker:
                 finish = "stop" if tok in stop_ids else ("length" if n >= budget else "")
                 self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish))
                 if finish:
-                    # the last token is not run: the next turn's prompt starts with it, and
-                    # its prefill takes it for almost nothing, instead of a decode step here
+                    # the last token is not run (unless asked): the next turn's prompt starts
+                    # with it, and its prefill takes it for almost nothing
                     reason = finish
+                    if job.run_last and len(self.live) < self.n_ctx:
+                        self.live.decode(tok)
                     break
                 self.check(job.rid)
                 logits = self.live.decode(tok)

@@ -236,7 +236,8 @@ class Renderer:
         self.to_inference(m.Job(rid=rid, ids=tuple(ids), reuse=reuse, sampling=sampling,
                                 restore=restore.sha1 if restore else "",
                                 restore_tokens=restore.n_tokens if restore else 0,
-                                suffix=suffix if restore else (), saves=saves, evict=evict))
+                                suffix=suffix if restore else (), saves=saves, evict=evict,
+                                run_last=p.calls is not None))
 
     # -- inference events --
     def on_event(self, ev) -> None:
