@@ -127,9 +127,12 @@ class Worker:
         if r > len(live) or list(ids[:r]) != live[:r]:
             self.log.warning("job %s: live session differs from the plan; cold prefill", job.rid)
             r = 0
-        if r >= len(ids):          # the whole prompt is cached: re-run its last token for logits
-            r = len(ids) - 1 if (len(live) != len(ids) or self.live.logits is None) else len(ids)
-        return r
+        if r >= len(ids) and (len(live) != len(ids) or self.live.logits is None):
+            # the whole prompt is cached but not its logits: re-run from the chunk boundary at
+            # or below its last token, so the chunk is the one a cold prefill ran and the
+            # logits (and a greedy answer) are the same as the first time
+            r = (len(ids) - 1) // self.s.chunk_size * self.s.chunk_size
+        return min(r, len(ids))
 
     def start(self, job: m.Job) -> tuple[list[int], int]:
         """Put the live session in place for job: (effective prompt ids, tokens reused)."""
@@ -205,11 +208,13 @@ class Worker:
             want = {p.pos for p in saves} | set(frontiers)
             got = self.live.prefill(ids[r:], logits_at=want, on_chunk=progress)
             got[len(self.live)] = self.live.logits
-            for p in saves:
-                self.disk.save(self.live, p.pos, got.get(p.pos), p.reason)
-            if self.disk.enabled:
-                self.save_frontiers(r, len(ids), got)
             t1 = time.perf_counter()
+
+            def save_prompt_checkpoints():   # after the first token: not on the TTFT path
+                for p in saves:
+                    self.disk.save(self.live, p.pos, got.get(p.pos), p.reason)
+                if self.disk.enabled:
+                    self.save_frontiers(r, len(ids), got)
             sampler = Sampler(job.sampling)
             stop_ids = set(job.sampling.stop_ids)
             logits = self.live.logits
@@ -217,11 +222,14 @@ class Worker:
             if budget <= 0:
                 reason = "length"
                 self.send(m.Token(rid=job.rid, id=-1, logprob=0.0, finish="length"))
+                save_prompt_checkpoints()
             while budget > 0:
                 tok, lp, top = sampler(logits)
                 n += 1
                 finish = "stop" if tok in stop_ids else ("length" if n >= budget else "")
                 self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish))
+                if n == 1:
+                    save_prompt_checkpoints()
                 if finish:
                     # the last token is not run (unless asked): the next turn's prompt starts
                     # with it, and its prefill takes it for almost nothing

@@ -131,7 +131,8 @@ def plan_reuse(text: TextModel, prompt: bytes, full: list[int], live: list[int],
                min_tokens: int) -> tuple[list[int], int]:
     """(effective prompt ids, live tokens to keep), in the pipeline's order of preference:
     live ids a prefix of the prompt's; live text a byte prefix of the prompt (the suffix is
-    tokenized alone, live ids stay authoritative); longest common token prefix >= min."""
+    tokenized alone, live ids stay authoritative); longest common token prefix >= min, or
+    the whole prompt when the live session extends it."""
     if not live:
         return full, 0
     n = len(live)
@@ -145,7 +146,8 @@ def plan_reuse(text: TextModel, prompt: bytes, full: list[int], live: list[int],
         if a != b:
             break
         k += 1
-    return full, (k if k >= min_tokens else 0)
+    # the whole prompt inside the live session (a repeated request) is always worth keeping
+    return full, (k if k >= min_tokens or k == len(full) else 0)
 
 
 def token_logprob(text: TextModel, tok: int, lp: float, top) -> m.TokenLogprob:
