@@ -6,7 +6,9 @@ model's own work, and how many plain HTTP requests the web tier serves.
     (`honcho start` of the Procfile) with the official openai client -- streamed (time to the
     first chunk with content) and non-streamed (whole response) -- against the same work done
     in-process (procs.inference.runtime.build + KVSession: prefill the prompt once, then per
-    step truncate to len-1, prefill the last token, sample one token). Server requests and
+    step truncate to len-1, prefill the last token, sample one token -- or, when the server
+    reports every prompt token cached, only sample from the kept logits, which is then what
+    it does; see --reference). Server requests and
     in-process steps are interleaved so both see the same machine; overhead = median(server)
     - median(in-process) of the same cell. Two ways of sending: back to back (blocks of
     --block requests, the next right after the previous answer) and with --pause seconds
@@ -238,11 +240,15 @@ class InProcess:
         self.threads = torch.get_num_threads()
         self.dtype = str(self.model.dtype).replace("torch.", "")
 
-    def step(self) -> tuple[float, float]:
-        """(wall s, CPU s of this process) of: truncate to len-1, prefill the last token, sample."""
+    def step(self, kind: str = "prefill1") -> tuple[float, float]:
+        """(wall s, CPU s of this process) of the model's share of a fully cached request:
+        'prefill1' = truncate to len-1, prefill the last token, sample (the server's work when
+        it re-runs the last prompt token); 'sample' = sample from the logits kept after the
+        prompt (its work when the live session is exactly the prompt, logits included)."""
         c0, t0 = time.process_time(), time.perf_counter()
-        self.sess.truncate(len(self.ids) - 1)
-        self.sess.prefill(self.ids[-1:])
+        if kind == "prefill1":
+            self.sess.truncate(len(self.ids) - 1)
+            self.sess.prefill(self.ids[-1:])
         self.Sampler(self.params)(self.sess.logits)
         return time.perf_counter() - t0, time.process_time() - c0
 
@@ -279,14 +285,14 @@ def cpu_of(procs: dict) -> dict:
 
 
 def run_mode(client, model: str, ip: InProcess, procs: dict, n: int, stream: bool, pause: float,
-             block: int) -> dict:
+             block: int, ref: str) -> dict:
     """n server requests and n in-process steps, interleaved in blocks of `block` (so both see the
     same machine), `pause` seconds before each server request and before the in-process block
     that follows (so the server's leftover work does not overlap it). With pause 0 the server
     requests of a block go back to back."""
     for _ in range(2):                         # the live session is the prompt; warm paths
         one_request(client, model, stream)
-        ip.step()
+        ip.step(ref)
     server, inproc, client_cpu, inproc_cpu, info = [], [], [], [], {}
     c0 = cpu_of(procs)
     while len(server) < n:
@@ -300,7 +306,7 @@ def run_mode(client, model: str, ip: InProcess, procs: dict, n: int, stream: boo
         if pause:
             time.sleep(pause)
         for _ in range(block):
-            w, c = ip.step()
+            w, c = ip.step(ref)
             inproc.append(w)
             inproc_cpu.append(c)
     c1 = cpu_of(procs)
@@ -308,7 +314,7 @@ def run_mode(client, model: str, ip: InProcess, procs: dict, n: int, stream: boo
     cpu["client"] = 1e3 * med(client_cpu)
     cpu["in-process"] = 1e3 * med(inproc_cpu)
     return {"server": server, "inproc": inproc, "overhead_ms": 1e3 * (med(server) - med(inproc)),
-            "cpu_ms": cpu, "info": info}
+            "cpu_ms": cpu, "info": info, "ref": ref}
 
 
 # --- (b) GET /v1/models requests/s -----------------------------------------------------------
@@ -377,11 +383,19 @@ def bench_ttft(args) -> dict:
         log(f"  healthy after {srv.start():.1f} s")
         client, model = srv.client(), srv.health["model"]
         procs = server_processes(srv)
+        # which work the server does for a repeat of the prompt decides the in-process reference:
+        # all prompt tokens cached = it samples from kept logits; one fewer = it re-runs the last
+        for _ in range(3):
+            _, probe = one_request(client, model, False)
+        ref = args.reference if args.reference != "auto" else \
+            ("sample" if probe.get("cached_tokens") == len(ip.ids) else "prefill1")
+        log(f"  server reports {probe.get('cached_tokens')} of {len(ip.ids)} prompt tokens cached: "
+            f"in-process reference '{ref}'")
         for rnd in range(args.rounds):
             r = {}
             for key, stream, pause in MODES:
                 r[key] = run_mode(client, model, ip, procs, args.requests, stream,
-                                  args.pause if pause else 0.0, 1 if pause else args.block)
+                                  args.pause if pause else 0.0, 1 if pause else args.block, ref)
             rounds.append(r)
             info = r["whole_b2b"]["info"]
             log(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
@@ -391,7 +405,8 @@ def bench_ttft(args) -> dict:
                   f"answer {info.get('text')!r}")
     finally:
         srv.close()
-    return {"rounds": rounds, "prompt_tokens_inproc": len(ip.ids), "threads": ip.threads, "dtype": ip.dtype}
+    return {"rounds": rounds, "prompt_tokens_inproc": len(ip.ids), "threads": ip.threads, "dtype": ip.dtype,
+            "reference": ref}
 
 
 def table(res: dict) -> str:
@@ -405,7 +420,10 @@ def table(res: dict) -> str:
         info = t["rounds"][-1]["whole_b2b"]["info"]
         out.append(f"(a) fully cached prompt ({t['prompt_tokens_inproc']} tokens, server reports "
                    f"{info.get('cached_tokens')} cached, max_tokens 1, {t['dtype']}, {t['threads']} torch threads, "
-                   f"RICORDO_KV_CACHE_MIN_TOKENS={st['min_tokens'] or 'default'}); {st['requests']} requests and "
+                   f"RICORDO_KV_CACHE_MIN_TOKENS={st['min_tokens'] or 'default'}; in-process reference: "
+                   + {"prefill1": "truncate to len-1, prefill the last token, sample",
+                      "sample": "sample from the kept logits"}.get(t.get("reference", "prefill1"), "?")
+                   + f"); {st['requests']} requests and "
                    f"{st['requests']} in-process steps per cell, interleaved; wall ms, median; overhead = server - "
                    f"in-process of the same cell")
         out.append("")
@@ -465,6 +483,9 @@ def main(argv=None) -> int:
                          "keeps a live session that runs past the prompt (the prompt + the token it answered "
                          "last time) only when the common prefix reaches this many tokens, so with the default "
                          "a short repeated prompt is prefilled again in full")
+    ap.add_argument("--reference", choices=("auto", "prefill1", "sample"), default="auto",
+                    help="the in-process work compared with: auto = what the server's cached_tokens says it "
+                         "does (all prompt tokens cached: sample from kept logits; one fewer: prefill 1 + sample)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads for the server's inference process and the in-process model "
                          "(RICORDO_THREADS; 0 = torch's default, one per core)")
