@@ -44,5 +44,7 @@ class Sampler:
         top = []
         if p.top_logprobs > 0:
             v, i = torch.topk(lp, p.top_logprobs)
-            top = list(zip(i.tolist(), v.tolist()))
+            # equal values (common with bf16 logits) in id order, as argmax breaks ties, so
+            # a greedy token is always the first alternative
+            top = sorted(zip(i.tolist(), v.tolist()), key=lambda t: (-t[1], t[0]))
         return tok, float(lp[tok]), top
