@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench model install clean
+.PHONY: serve test stress bench model install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ serve: model
 
 test: model
 	$(BIN)/python -m pytest -x -q tests
+
+# the whole stress campaign (issue 7; `make test` runs its fast subset); numbers in bench/RESULTS-stress.md
+stress: model
+	RICORDO_STRESS=full $(BIN)/python -m pytest -q -rxs tests/stress
 
 bench: model
 	$(BIN)/python bench/bench_model.py
