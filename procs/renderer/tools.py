@@ -42,9 +42,10 @@ def call_json(name: str, arguments: str) -> str:
     in our own spacing, since the client's spacing is arbitrary anyway."""
     try:
         args = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        args = arguments
-    return f'{OPEN}\n{json.dumps({"name": name, "arguments": args}, ensure_ascii=False)}\n{CLOSE}'
+        text = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+    except (json.JSONDecodeError, RecursionError):   # not JSON, or nested too deep: as a string
+        text = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f'{OPEN}\n{text}\n{CLOSE}'
 
 
 def opener(choice) -> str:

@@ -221,9 +221,6 @@ def test_huge_integer_in_a_float_field(path, key):
     assert r.status_code == 400, (r.status_code, r.text)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: deeply nested JSON in a tool call's 'arguments' string raises "
-                   "RecursionError in procs/renderer/tools.py call_json (json.loads, only JSONDecodeError "
-                   "caught); Renderer.admit catches only ParamError/PromptError, so the renderer process dies")
 @pytest.mark.parametrize("depth", [100000, 5000])
 def test_deep_tool_arguments_render(depth):
     """The renderer's render() on such a request: a PromptError (400) at most, nothing else."""
@@ -425,8 +422,6 @@ def test_many_stalled_connections_and_a_stalled_body(healthy):
 
 
 @full_only
-@pytest.mark.xfail(strict=True, reason="BUG: one request with deeply nested tool-call arguments kills the "
-                   "renderer (see test_deep_tool_arguments_render); under honcho the whole server stops")
 def test_deep_tool_arguments_real_server(healthy):
     c = healthy
     args = "[" * 50000 + "]" * 50000
