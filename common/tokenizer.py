@@ -65,12 +65,25 @@ class TextModel:
         return len(self.pieces)
 
     def encode(self, text: str | bytes) -> list[int]:
-        """Token ids of text, special tokens parsed, never a BOS added."""
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="surrogateescape")
-        if not text:
-            return []
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of text, special tokens parsed, never a BOS added. Bytes that are not
+        UTF-8 (a suffix that starts or ends inside a character) become single-byte tokens,
+        so the pieces of the ids are always exactly the bytes given."""
+        if isinstance(text, str):
+            return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+        ids, rest = [], text
+        while rest:
+            try:
+                return ids + self.encode(rest.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                ids += self.encode(rest[:e.start].decode("utf-8"))
+                ids += [self._byte_id(b) for b in rest[e.start:max(e.end, e.start + 1)]]
+                rest = rest[max(e.end, e.start + 1):]
+        return ids
+
+    def _byte_id(self, b: int) -> int:
+        if not hasattr(self, "_byte_ids"):
+            self._byte_ids = {p[0]: i for i, p in enumerate(self.pieces) if len(p) == 1}
+        return self._byte_ids[b]
 
     def piece_bytes(self, ids) -> bytes:
         return b"".join(self.pieces[i] for i in ids)
