@@ -223,7 +223,8 @@ def test_huge_integer_in_a_float_field(path, key):
 
 @pytest.mark.parametrize("depth", [100000, 5000])
 def test_deep_tool_arguments_render(depth):
-    """The renderer's render() on such a request: a PromptError (400) at most, nothing else."""
+    """The renderer's render() on such a request: a PromptError (400) at most, nothing else
+    (a RecursionError here killed the renderer until commit bb5f0b9)."""
     from common import messages as m
     from procs.renderer.prompt import PromptError, render
     from .harness import text_model
@@ -437,7 +438,7 @@ def test_deep_tool_arguments_real_server(healthy):
         alive = c.alive("renderer")
         Stats.add("http: deep tool-call arguments (real server)", requests=1, status=r.status_code,
                   renderer_alive=alive)
-        assert alive and r.status_code == 400, (r.status_code, r.text[:200])
+        assert alive and r.status_code < 500, (r.status_code, r.text[:200])
     finally:
         if not c.alive("renderer"):
             c.start("renderer")
