@@ -325,20 +325,27 @@ def read(path_or_bytes, *, expect_geometry: Geometry | None = None,
     buf = _buffer(path_or_bytes)
     h, _, p0 = _frame(buf[:TEXT_OFFSET], len(buf))
     g, fp = _payload_head(h, buf[p0:p0 + PAYLOAD_HEAD_SIZE + FINGERPRINT_SIZE])
-    if expect_geometry is not None:
-        bad = geometry_problem(g, h.n_tokens, expect_geometry)
-        if bad:
-            raise KVFileError(*bad)
-    if expect_fingerprint is not None and bytes(expect_fingerprint) != fp:
-        raise KVFileError("fingerprint mismatch", f"{fp.hex()} != {bytes(expect_fingerprint).hex()}")
     end = p0 + h.payload_bytes
+    (stored,) = struct.unpack_from("<Q", buf, end - CHECKSUM_SIZE)
+
+    def checksum():
+        if full:
+            got = xxhash.xxh3_64_intdigest(buf[p0:end - CHECKSUM_SIZE])
+            if got != stored:
+                raise KVFileError("checksum mismatch", f"stored {stored:016x}, computed {got:016x}")
+
+    # A geometry or fingerprint mismatch is a foreign model's file (kept) only if the payload
+    # is sound: a flipped byte in those fields must read as corruption (deleted), or the same
+    # broken file would be tried again on every request.
+    problem = geometry_problem(g, h.n_tokens, expect_geometry) if expect_geometry is not None else None
+    if problem is None and expect_fingerprint is not None and bytes(expect_fingerprint) != fp:
+        problem = ("fingerprint mismatch", f"{fp.hex()} != {bytes(expect_fingerprint).hex()}")
+    if problem:
+        checksum()
+        raise KVFileError(*problem)
     if not h.flags & FLAG_KTM and len(buf) != end:
         raise KVFileError("trailing bytes", f"{len(buf) - end} bytes after the payload")
-    (stored,) = struct.unpack_from("<Q", buf, end - CHECKSUM_SIZE)
-    if full:
-        got = xxhash.xxh3_64_intdigest(buf[p0:end - CHECKSUM_SIZE])
-        if got != stored:
-            raise KVFileError("checksum mismatch", f"stored {stored:016x}, computed {got:016x}")
+    checksum()
     n = h.n_tokens
     off = p0 + PAYLOAD_HEAD_SIZE + FINGERPRINT_SIZE
     tokens = np.frombuffer(buf, dtype="<u4", count=n, offset=off)

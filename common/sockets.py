@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import stat
 
 from common.config import Settings
 
@@ -16,7 +18,24 @@ def run_dir(s: Settings) -> str:
         tag = hashlib.sha1(os.path.realpath(os.getcwd()).encode()).hexdigest()[:10]
         path = os.path.join("/tmp", f"ricordo-{os.getuid()}-{tag}")
     os.makedirs(path, mode=0o700, exist_ok=True)
+    _own_private(path)
     return path
+
+
+def _own_private(path: str) -> None:
+    """The run dir holds the sockets every process trusts: it must be a real directory of
+    ours that no one else can enter (the default name is predictable, so someone may have
+    made it first). Ours but loose: tightened to 0700 with a warning; anything else: refused."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SystemExit(f"run directory {path} is not a directory (a symlink?); remove it or set --run-dir")
+    if st.st_uid != os.getuid():
+        raise SystemExit(f"run directory {path} belongs to uid {st.st_uid}, not to us ({os.getuid()}); "
+                         "remove it or set --run-dir")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        logging.getLogger("ricordo").warning("run directory %s was mode %o; tightened to 700",
+                                             path, stat.S_IMODE(st.st_mode))
+        os.chmod(path, 0o700)
 
 
 def address(s: Settings, name: str) -> str:

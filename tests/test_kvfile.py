@@ -300,3 +300,15 @@ def test_verify(tmp_path):
     assert kf.verify(write(tmp_path, stray)) == ["KTM block not in the text"]
     os.remove(tmp_path / kf.entry_name(TEXT))
     assert kf.verify(tmp_path / kf.entry_name(TEXT))[0].startswith("unreadable")
+
+
+def test_a_flipped_fingerprint_byte_is_corruption_not_a_foreign_model():
+    g = geom()
+    blob, _ = make(g)
+    p0 = 52 + len(TEXT)
+    off = p0 + kf.PAYLOAD_HEAD_SIZE + 3
+    flipped = blob[:off] + bytes([blob[off] ^ 0x80]) + blob[off + 1:]
+    assert reason_of(flipped, expect_fingerprint=FP) == "checksum mismatch"
+    assert reason_of(blob, expect_fingerprint=bytes(16)) == "fingerprint mismatch"
+    # the same for a geometry field: a sound file of another geometry is "geometry mismatch"
+    assert reason_of(blob, expect_geometry=geom(head_dim=16)) == "geometry mismatch"

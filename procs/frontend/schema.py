@@ -50,7 +50,13 @@ def get_num(body: dict, key: str, default: float) -> float:
         return default
     if type(v) not in (int, float):
         raise bad(key, f"'{key}' must be a number")
-    return float(v)
+    try:
+        f = float(v)
+    except OverflowError:           # an int beyond float range
+        raise bad(key, f"'{key}' is out of range") from None
+    if f != f or f in (float("inf"), float("-inf")):
+        raise bad(key, f"'{key}' must be a finite number")
+    return f
 
 
 def get_bool(body: dict, key: str, default: bool = False) -> bool:

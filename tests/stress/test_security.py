@@ -202,10 +202,9 @@ def test_no_pickle_in_product_code():
     assert all("No pickle anywhere" in line for line in product), product
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: an existing run directory is used as it is: "
-                   "common/sockets.py run_dir() makes it 0700 only when it creates it, so a pre-created "
-                   "world-writable /tmp/ricordo-<uid>-<tag> (a predictable name) is accepted")
 def test_loose_run_directory_is_refused_or_tightened(tmp_path):
+    """A pre-created world-writable run dir (the default name is predictable) is tightened to
+    0700; a symlink in its place is refused."""
     run = tmp_path / "run"
     run.mkdir()
     os.chmod(run, 0o777)
@@ -215,3 +214,7 @@ def test_loose_run_directory_is_refused_or_tightened(tmp_path):
     mode = stat.S_IMODE(os.stat(run).st_mode)
     Stats.add("security: pre-created run dir 0777", mode_after=oct(mode))
     assert mode == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(run)
+    with pytest.raises(SystemExit, match="not a directory"):
+        run_dir(Settings(run_dir=str(link)))
