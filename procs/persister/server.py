@@ -74,18 +74,28 @@ class Persister:
             if stop_at is not None and time.monotonic() > stop_at:
                 break
             if self.pull.poll(100):
-                msg = self.dec.decode(self.pull.recv())
-                if isinstance(msg, m.InferenceBye) and stop_at is not None:
+                if self.receive() == "bye" and stop_at is not None:
                     self.drain_saves()
                     break
-                self.handle(msg)
             self.publish()
         self.log.info("stopping")
         return 0
 
     def drain_saves(self) -> None:
         while self.pull.poll(0):
-            self.handle(self.dec.decode(self.pull.recv()))
+            self.receive()
+
+    def receive(self) -> str | None:
+        """Handle one message; "bye" for InferenceBye. A message that fails is lost, never
+        the process (saves catch their own failures and warn once per kind)."""
+        try:
+            msg = self.dec.decode(self.pull.recv())
+            if isinstance(msg, m.InferenceBye):
+                return "bye"
+            self.handle(msg)
+        except Exception:
+            self.log.exception("could not handle a message")
+        return None
 
     def handle(self, msg) -> None:
         if isinstance(msg, m.SaveCheckpoint):

@@ -28,6 +28,7 @@ class Store:
     def __init__(self, path: str, budget_mb: int, log, trace):
         self.dir, self.budget = path, budget_mb * 1024 * 1024
         self.log, self.trace = log, trace
+        self.warned_budget = self.warned_remove = False
         self.index: dict[str, m.IndexEntry] = {}
         self.version = 0
         self.usable = self._prepare()
@@ -120,6 +121,15 @@ class Store:
         kv = kv.reshape(save.n_layers, 2, n, save.kv_heads, save.head_dim)
         parts = kvfile.write_parts(text, save.tokens, logits, kv[:, 0], kv[:, 1], g, save.fingerprint,
                                    save.quant_bits, save.reason, ktm=ktm or None)
+        size = kvfile.TEXT_OFFSET + len(text) + kvfile.payload_size(n, g)    # KTM aside: small
+        if size > self.budget:      # it would be evicted at once (section 8): spare the fsync
+            if not self.warned_budget:
+                self.warned_budget = True
+                self.log.warning("a checkpoint of %.1f MB alone exceeds the disk budget of %.1f MB: nothing "
+                                 "can be cached; raise --kv-disk-space-mb", size / 2**20, self.budget / 2**20)
+            self.trace.line(f"KV cache: not stored sha1={sha1} ({n} tokens, {size} bytes alone exceed "
+                            f"the disk budget of {self.budget} bytes)")
+            return None
         tmp = f"{final}.tmp.{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -165,6 +175,13 @@ class Store:
             os.unlink(self.entry_path(sha1))
         except FileNotFoundError:
             pass
+        except OSError as e:    # read-only dir: out of the index, so never a candidate again
+            if not self.warned_remove:
+                self.warned_remove = True
+                self.log.warning("could not delete %s (%s); it is dropped from the index "
+                                 "(further failures are traced only)", sha1, e)
+            self.trace.line(f"KV cache: could not evict sha1={sha1} ({why}): {e}")
+            return
         self.trace.line(f"KV cache: evicted sha1={sha1} ({why})")
         metrics.M.evictions.labels("rejected" if why.startswith("rejected") else "lru").inc()
         self.log.info("removed %s (%s)", sha1, why)
