@@ -78,6 +78,7 @@ class CancelRequest(msgspec.Struct, tag="cancel", frozen=True):
 
 class PingRequest(msgspec.Struct, tag="ping", frozen=True):
     rid: str
+    about: str = ""                     # a request rid: the answer says whether it is held
 
 
 RendererIn = GenerateRequest | CancelRequest | PingRequest
@@ -141,6 +142,7 @@ class Health(msgspec.Struct, tag="health", frozen=True):
     device: str = ""
     dtype: str = ""
     detail: str = ""
+    holds: bool = False                 # the PingRequest's `about` is queued or running here
 
 
 WebOut = Accepted | Delta | Finished | Failed | Health
@@ -234,6 +236,7 @@ class InferenceHealth(msgspec.Struct, tag="ihealth", frozen=True):
     dtype: str
     live_tokens: int
     quant_bits: int = 0
+    boot: str = ""                      # new for every process: a change means it restarted
 
 
 class IndexEntry(msgspec.Struct, frozen=True):

@@ -8,7 +8,10 @@ import hashlib
 import logging
 import os
 import stat
+import struct
 import time
+
+import xxhash
 
 import numpy as np
 import pytest
@@ -290,10 +293,14 @@ def test_store_eviction_lru_keeps_just_written(tmp_path, monkeypatch):
     assert g + ".kv" in files and len(files) == 3 and e + ".kv" not in files
     assert sum(files.values()) <= budget
     assert set(st.index) == {x[:-3] for x in files}
-    # an entry that alone exceeds the budget is the victim itself; the others stay
-    big, _, _ = put(st, 7, n=1300, now=1100, monkeypatch=monkeypatch)
-    assert big + ".kv" not in entry_files(d) and big not in st.index
-    assert entry_files(d) == files
+    # an entry that alone exceeds the budget is not written at all (it would be its own
+    # victim); the others stay, and the trace says why
+    monkeypatch.setattr(time, "time", lambda: 1100.0)
+    save, body, _ = fake_slot(1300, 7)
+    text = text_for(7, 1300)
+    assert st.write(save, memoryview(body), text, {}) is None
+    assert sha1(text) not in st.index and entry_files(d) == files
+    assert f"not stored sha1={sha1(text)} (1300 tokens" in trace.read_text()
 
 
 def test_store_eviction_ties_broken_by_creation_time(tmp_path, monkeypatch):
@@ -496,7 +503,10 @@ def test_disk_restore_rejects(model_bf16, text_model, harness):
     fp = bytearray(blob)
     off = kf.TEXT_OFFSET + len(text_model.piece_bytes(ids)) + kf.PAYLOAD_HEAD_SIZE
     fp[off] ^= 0xFF
-    assert reject(bytes(fp)) == "fingerprint mismatch"
+    assert reject(bytes(fp)) == "checksum mismatch"          # a flipped byte is corruption
+    p0 = kf.TEXT_OFFSET + len(text_model.piece_bytes(ids))
+    struct.pack_into("<Q", fp, len(fp) - 8, xxhash.xxh3_64_intdigest(bytes(fp[p0:len(fp) - 8])))
+    assert reject(bytes(fp)) == "fingerprint mismatch"       # a sound file of another model
     other = "0" * 40
     assert reject(blob, other) == "text does not match the name"
     assert reject(None, "1" * 40) == "file gone"

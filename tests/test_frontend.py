@@ -572,7 +572,7 @@ def test_zmq_backend(tmp_path):
         router.setsockopt(zmq.LINGER, 0)
         router.bind(address(s, RENDERER))
         dec, enc = msgspec.msgpack.Decoder(RendererIn), msgspec.msgpack.Encoder()
-        seen = []
+        seen, held = [], set()
 
         async def renderer():
             while True:
@@ -580,8 +580,9 @@ def test_zmq_backend(tmp_path):
                 msg = dec.decode(raw)
                 seen.append(msg)
                 if isinstance(msg, PingRequest):
-                    out = [Health(rid=msg.rid, ready=True, model="m", n_ctx=99)]
+                    out = [Health(rid=msg.rid, ready=True, model="m", n_ctx=99, holds=msg.about in held)]
                 elif isinstance(msg, GenerateRequest) and msg.prompt == "hang":
+                    held.add(msg.rid)
                     out = [Accepted(rid=msg.rid, prompt_tokens=1)]
                 elif isinstance(msg, GenerateRequest):
                     out = [Accepted(rid=msg.rid, prompt_tokens=2), Delta(rid="someone-else", text="?"),
@@ -608,6 +609,18 @@ def test_zmq_backend(tmp_path):
             await be.cancel("r3")
             await asyncio.sleep(0.05)
             assert any(isinstance(m, CancelRequest) and m.rid == "r3" for m in seen)
+            # a request the renderer holds outlives idle checks; one it lost (a restarted
+            # renderer) fails with a 503 at the next check
+            it = be.submit(GenerateRequest(rid="r5", kind="completion", sampling=SamplingParams(), prompt="hang"))
+            assert isinstance(await it.__anext__(), Accepted)
+            nxt = asyncio.ensure_future(it.__anext__())
+            await asyncio.sleep(0.7)
+            assert not nxt.done()
+            assert sum(isinstance(m, PingRequest) and m.about == "r5" for m in seen) >= 2
+            held.discard("r5")
+            ev = await asyncio.wait_for(nxt, 2)
+            assert isinstance(ev, Failed) and ev.status == 503 and "restarted" in ev.message
+            await it.aclose()
             # the renderer dies while a request waits: the idle check notices and fails it
             it = be.submit(GenerateRequest(rid="r4", kind="completion", sampling=SamplingParams(), prompt="hang"))
             assert isinstance(await it.__anext__(), Accepted)

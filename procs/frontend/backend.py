@@ -27,7 +27,7 @@ log = logging.getLogger("web")
 NOT_ANSWERING = "renderer not answering"
 SEND_TIMEOUT_S = 5.0        # no renderer connected this long: the request fails with 503
 ACCEPT_TIMEOUT_S = 60.0     # the renderer answers Accepted/Failed right after tokenizing
-IDLE_CHECK_S = 15.0         # a request silent this long pings the renderer to see it is alive
+IDLE_CHECK_S = 15.0         # a request silent this long asks the renderer whether it still holds it
 IDLE_PING_TIMEOUT_S = 5.0
 
 Event = Accepted | Delta | Finished | Failed
@@ -173,10 +173,15 @@ class ZmqBackend:
                 try:
                     ev = await asyncio.wait_for(q.get(), self.accept_timeout if first else self.idle_check)
                 except asyncio.TimeoutError:
-                    if not first and await self._renderer_alive():
-                        continue
+                    why = NOT_ANSWERING
+                    if not first:
+                        h = await self.health(self.idle_ping_timeout, about=rid)
+                        if h.holds or not q.empty():    # an answer may have come meanwhile
+                            continue
+                        if h.detail != NOT_ANSWERING:   # alive, but a restarted one
+                            why = "the renderer restarted and lost this request"
                     # done stays False: the renderer may still hold it, the finally cancels it
-                    yield Failed(rid=rid, status=503, message=f"{NOT_ANSWERING} (request {rid})",
+                    yield Failed(rid=rid, status=503, message=f"{why} (request {rid})",
                                  code="renderer_unavailable", err_type="server_error")
                     return
                 first = False
@@ -193,24 +198,21 @@ class ZmqBackend:
                 self._send_nowait(CancelRequest(rid=rid))
             self._cancelled.discard(rid)
 
-    async def _renderer_alive(self) -> bool:
-        h = await self.health(self.idle_ping_timeout)
-        return h.detail != NOT_ANSWERING
-
     async def cancel(self, rid: str) -> None:
         if rid in self._queues:
             self._cancelled.add(rid)
         self._ensure()
         self._send_nowait(CancelRequest(rid=rid))
 
-    async def health(self, timeout: float = 1.0) -> Health:
+    async def health(self, timeout: float = 1.0, about: str = "") -> Health:
+        """The renderer's Health; `about` asks whether it holds that request."""
         rid = new_rid()
         deadline = time.monotonic() + timeout
         self._ensure()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         try:
-            await self._send(PingRequest(rid=rid), timeout=timeout)
+            await self._send(PingRequest(rid=rid, about=about), timeout=timeout)
             while True:
                 ev = await asyncio.wait_for(q.get(), max(deadline - time.monotonic(), 0.001))
                 if isinstance(ev, Health):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import time
+import uuid
 
 import zmq
 
@@ -54,6 +55,7 @@ class Worker:
         self.jobs: collections.deque[m.Job] = collections.deque()
         self.cancelled: set[str] = set()
         self.keep: dict[str, int] = {}   # rid -> live tokens to keep when it is cancelled
+        self.boot = uuid.uuid4().hex
         self.stop = StopFlag()
 
     def send(self, msg) -> None:
@@ -65,7 +67,8 @@ class Worker:
     def health(self, rid: str) -> m.InferenceHealth:
         return m.InferenceHealth(rid=rid, n_ctx=self.n_ctx, vocab_size=self.model.cfg.vocab_size,
                                  device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
-                                 live_tokens=len(self.live), quant_bits=self.model.cfg.quant_bits)
+                                 live_tokens=len(self.live), quant_bits=self.model.cfg.quant_bits,
+                                 boot=self.boot)
 
     def drain(self, timeout_ms: float = 0) -> None:
         """Read every waiting message: jobs queue up, cancels are noted, pings answered,

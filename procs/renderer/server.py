@@ -28,7 +28,10 @@ from procs.renderer.prompt import (PromptError, TextStream, plan_reuse, prefix_b
                                    token_logprob, tool_choice)
 
 HEALTH_FRESH_S = 5.0      # inference counts as up if it said anything this recently
-JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (inference died)
+JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (lost job)
+# Inference answers pings between prefill chunks and tokens, so a process heard when a job
+# started and silent this long since is dead or hung: its job is failed sooner.
+INFERENCE_SILENCE_S = 20.0
 
 
 @dataclass
@@ -83,6 +86,8 @@ class Renderer:
         self.live: list[int] = []
         self.inference: m.InferenceHealth | None = None
         self.last_heard = 0.0
+        self.heard_at_dispatch = False
+        self.stopped: dict[str, None] = {}      # rids of foreign jobs already cancelled
         self.last_ping = 0.0
         self.stop = StopFlag()
         log.info("ready: %s, context %d, %d tokens in vocabulary", self.model_id, self.n_ctx,
@@ -124,13 +129,24 @@ class Renderer:
             self.last_ping = now
             self.to_inference(m.InferencePing(rid="renderer"))
         cur = self.current
-        if cur is not None and now - self.current_since > JOB_SILENCE_S:
-            self.log.error("job %s: no word from inference for %.0f s; failing it", cur.req.rid, JOB_SILENCE_S)
-            self.fail(cur, 503, "the inference process stopped answering", code="inference_unavailable",
-                      err_type="server_error")
-            self.live = []          # unknown now; inference re-checks every plan anyway
-            self.current = None
-            self.dispatch()
+        if cur is None:
+            return
+        if now - self.current_since > JOB_SILENCE_S:
+            self.lose_current(f"no word from inference about it for {JOB_SILENCE_S:.0f} s")
+        elif self.heard_at_dispatch and now - self.last_heard > INFERENCE_SILENCE_S:
+            self.lose_current(f"the inference process has not answered for {INFERENCE_SILENCE_S:.0f} s")
+
+    def lose_current(self, why: str) -> None:
+        """The running job will never finish (inference died, restarted or lost it): its
+        request fails with a 503 and the queue moves on."""
+        cur = self.current
+        self.log.error("job %s: %s; failing it", cur.req.rid, why)
+        self.fail(cur, 503, f"the inference process failed this request ({why})", code="inference_unavailable",
+                  err_type="server_error")
+        self.to_inference(m.CancelJob(rid=cur.req.rid))     # in case it is alive after all
+        self.live = []          # unknown now; inference re-checks every plan anyway
+        self.current = None
+        self.dispatch()
 
     # -- web requests --
     def on_request(self, route: bytes, raw: bytes) -> None:
@@ -144,7 +160,8 @@ class Renderer:
             i = self.inference
             self.to_web(route, m.Health(rid=msg.rid, ready=fresh, model=self.model_id, n_ctx=self.n_ctx,
                                         device=i.device if i else "", dtype=i.dtype if i else "",
-                                        detail="" if fresh else "inference process not answering yet"))
+                                        detail="" if fresh else "inference process not answering yet",
+                                        holds=bool(msg.about) and self.holds(msg.about)))
         elif isinstance(msg, m.CancelRequest):
             self.cancel(msg.rid)
         else:
@@ -179,6 +196,9 @@ class Renderer:
         self.to_web(route, m.Accepted(rid=req.rid, prompt_tokens=len(full)))
         self.queue.append(Pending(route, req, prompt, full, admitted=time.monotonic()))
         self.dispatch()
+
+    def holds(self, rid: str) -> bool:
+        return (self.current is not None and self.current.req.rid == rid) or any(p.req.rid == rid for p in self.queue)
 
     def cancel(self, rid: str) -> None:
         for p in list(self.queue):
@@ -233,6 +253,7 @@ class Renderer:
             if choice != "none":
                 p.calls = tools.CallParser(opened=tools.opener(choice))
         self.current, self.current_since = p, time.monotonic()
+        self.heard_at_dispatch = self.current_since - self.last_heard < HEALTH_FRESH_S
         self.to_inference(m.Job(rid=rid, ids=tuple(ids), reuse=reuse, sampling=sampling,
                                 restore=restore.sha1 if restore else "",
                                 restore_tokens=restore.n_tokens if restore else 0,
@@ -246,11 +267,23 @@ class Renderer:
             return
         self.last_heard = time.monotonic()
         if isinstance(ev, m.InferenceHealth):
+            restarted = self.inference is not None and ev.boot != self.inference.boot
             self.inference = ev
+            if restarted:
+                self.log.warning("the inference process restarted")
+                self.live = []
+                if self.current is not None:
+                    self.lose_current("the inference process restarted")
             return
         p = self.current
         if p is None or ev.rid != p.req.rid:
-            return   # a late event of a job already failed here
+            # a late event of a job failed here, or of one a previous renderer started: stop it
+            if isinstance(ev, (m.Begun, m.Token, m.Progress)) and ev.rid not in self.stopped:
+                self.stopped[ev.rid] = None
+                if len(self.stopped) > 1000:
+                    self.stopped.pop(next(iter(self.stopped)))
+                self.to_inference(m.CancelJob(rid=ev.rid))
+            return
         self.current_since = time.monotonic()
         if isinstance(ev, m.Begun):
             p.cached, p.prompt_tokens = ev.cached, ev.prompt_tokens

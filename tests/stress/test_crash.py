@@ -180,8 +180,8 @@ def kill_mid_request(c, victim: str, phase: str, seed: int):
 @pytest.mark.parametrize("phase", ["prefill", "generation"])
 def test_inference_killed_mid_request(healthy, phase):
     """kill -9 inference while it prefills or generates: the in-flight request ends with an
-    error (not a hang), later requests succeed, no torn entry. Measures how long the queue
-    waits: the renderer only fails the lost job after JOB_SILENCE_S (120 s) of silence."""
+    error (not a hang), later requests succeed, no torn entry. Measures how long the next
+    request waits (the new inference's load, then the lost job is failed at once)."""
     c = healthy
     kills = 2
     waits = []
@@ -192,15 +192,14 @@ def test_inference_killed_mid_request(healthy, phase):
         waits.append(round(back, 1))
         n, bad = check_dir(c.kv_dir)
         assert not bad
-    Stats.add(f"crash: inference kill -9 mid-{phase}", kills=kills, in_flight="503 after silence",
+    Stats.add(f"crash: inference kill -9 mid-{phase}", kills=kills, in_flight="503 once the new one is up",
               next_request_waited_s=waits)
 
 
 @full_only
-@pytest.mark.xfail(strict=True, reason="BUG: after an inference crash the renderer keeps the lost job as "
-                   "current for JOB_SILENCE_S (120 s): the queue stalls although a new inference is up "
-                   "(procs/renderer/server.py housekeeping; no restart detection)")
 def test_inference_crash_does_not_stall_the_queue(healthy):
+    """The renderer sees the new inference's boot id and fails the lost job at once (it
+    waited JOB_SILENCE_S, 120 s, before)."""
     c = healthy
     _, back = kill_mid_request(c, "inference", "generation", 400)
     # a new inference loads in ~20 s; anything near JOB_SILENCE_S is the stall
@@ -208,10 +207,9 @@ def test_inference_crash_does_not_stall_the_queue(healthy):
 
 
 @full_only
-@pytest.mark.xfail(strict=True, reason="BUG: a request in flight while the renderer restarts waits forever: "
-                   "the new renderer answers the web's liveness ping, so the web keeps waiting for a "
-                   "request the new renderer never saw (procs/frontend/backend.py submit, idle check)")
 def test_renderer_restart_fails_requests_in_flight(healthy):
+    """The web's idle check asks the new renderer whether it holds the request; it does
+    not, so the request fails with a 503 (it hung forever before)."""
     c = healthy
     req = Call(c, unique_prompt("mid-renderer", 1, n_words=40), max_tokens=300, timeout=100)
     req.start()
@@ -224,6 +222,27 @@ def test_renderer_restart_fails_requests_in_flight(healthy):
               in_flight=repr(req.result[1])[:60] if req.result and req.result[0] == "error" else "ok")
     # an error (503) well before the client's own timeout, not a hang
     assert req.result[0] == "ok" or (req.seconds < 90 and "503" in repr(req.result[1])), (req.seconds, req.result)
+
+
+@full_only
+def test_inference_gone_fails_the_request_in_flight(healthy):
+    """kill -9 inference mid-generation and leave it down: pings go unanswered, so the
+    renderer fails the job after INFERENCE_SILENCE_S (20 s), not JOB_SILENCE_S (120 s)."""
+    c = healthy
+    req = Call(c, unique_prompt("gone", 1, n_words=40), max_tokens=400, timeout=200)
+    req.start()
+    time.sleep(4.0)
+    assert req.is_alive(), "the request ended before the kill; make it longer"
+    c.kill("inference")
+    try:
+        req.join(90)
+    finally:
+        c.start("inference")
+    Stats.add("crash: inference kill -9, not restarted", kills=1,
+              in_flight_failed_after_s=round(req.seconds - 4.0, 1) if req.result else None)
+    assert req.result and req.result[0] == "error" and "503" in repr(req.result[1]), req.result
+    assert req.seconds < 60, req.seconds
+    assert ask(c, unique_prompt("gone", 2, n_words=20), max_tokens=2).choices[0].finish_reason
 
 
 @full_only
