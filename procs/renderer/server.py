@@ -113,15 +113,19 @@ class Renderer:
         while not self.stop:
             ready = dict(poller.poll(200))
             if self.events in ready:
-                while self.events.poll(0):
-                    self.on_event(self.dec_ev.decode(self.events.recv()))
+                self.read_events()
             if self.router in ready:
                 while self.router.poll(0):
                     route, raw = self.router.recv_multipart()
                     self.on_request(route, raw)
+                self.read_events()      # what came while requests were tokenized: before any timeout
             self.housekeeping()
         self.log.info("stopping")
         return 0
+
+    def read_events(self) -> None:
+        while self.events.poll(0):
+            self.on_event(self.dec_ev.decode(self.events.recv()))
 
     def housekeeping(self) -> None:
         now = time.monotonic()
