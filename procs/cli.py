@@ -59,7 +59,7 @@ def _generate(argv) -> int:
     if len(ids) >= ctx:
         print(f"error: prompt of {len(ids)} tokens does not fit the context of {ctx}", file=sys.stderr)
         return 2
-    sess = KVSession(model, ctx, s.chunk_size)
+    sess = KVSession(model, ctx, s.chunk_size, exact=s.deterministic)
     t0 = time.perf_counter()
     sess.prefill(ids)
     t1 = time.perf_counter()

@@ -88,38 +88,60 @@ class Llama:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor,
-                rows: list[int]) -> torch.Tensor:
+                rows: list[int], pad_to: int = 0) -> torch.Tensor:
         """Run tokens ids[T] at absolute positions pos..pos+T-1, writing K/V into the caches.
 
         Returns float32 logits [len(rows), V] for the given row indices into ids (0..T-1).
+        pad_to > 0 (exact mode): every row is computed by the same kernels whatever T and pos
+        are: linears on inputs zero-padded to pad_to rows (a GEMM's row depends on M, not on
+        where in the block the row sits), attention always masked, logits one row at a time.
         """
         c = self.cfg
         T, S = ids.shape[0], pos + ids.shape[0]
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        if pad_to and T > pad_to:
+            raise ValueError(f"{T} rows exceed the exact-mode block of {pad_to}")
+
+        def lin(f: Q4Linear, h: torch.Tensor) -> torch.Tensor:
+            if pad_to:
+                return F.linear(F.pad(h, (0, 0, 0, pad_to - T)), f.w)[:T]
+            return f(h)
         x = F.embedding(ids, self.embed)                                       # [T, dim]
         cos = self.cos[pos:S].unsqueeze(1)                                     # [T, 1, D]
         sin = self.sin[pos:S].unsqueeze(1)
-        mask = None
-        if T > 1:  # causal, bottom-right aligned: query i sees keys 0..pos+i
+        mask, Q, K = None, T, S          # query rows and keys that attention runs on
+        if pad_to:  # pad_to query rows x keys to a multiple of pad_to: one kernel, one blocking
+            Q, K = pad_to, -(-S // pad_to) * pad_to
+            if K > kc.shape[2]:
+                raise ValueError(f"exact mode needs a K/V capacity of {K} (a multiple of {pad_to})")
+            lim = torch.arange(pos, pos + Q, device=self.device).clamp_(max=S - 1).unsqueeze(1)
+            mask = torch.zeros((Q, K), dtype=self.dtype, device=self.device)
+            mask.masked_fill_(torch.arange(K, device=self.device).unsqueeze(0) > lim, float("-inf"))
+        elif T > 1:  # causal, bottom-right aligned: query i sees keys 0..pos+i
             mask = torch.full((T, S), float("-inf"), dtype=self.dtype, device=self.device)
             mask = mask.triu_(pos + 1)
         for li, (an, wqkv, wo, fn, wgu, wd) in enumerate(self.layers):
             h = F.rms_norm(x, (c.dim,), an, c.norm_eps)
-            qkv = wqkv(h)                                            # [T, (H+2KV)*D]
+            qkv = lin(wqkv, h)                                       # [T, (H+2KV)*D]
             q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
             q = self._rope(q.view(T, H, D), cos, sin)
             k = self._rope(k.view(T, KV, D), cos, sin)
             kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
             vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
             qh = q.transpose(0, 1).unsqueeze(0)                                # [1, H, T, D]
-            o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, :S], vc[li:li + 1, :, :S],
-                                               attn_mask=mask, enable_gqa=True)
-            x = x + wo(o[0].transpose(0, 1).reshape(T, H * D))       # [T, dim]
+            if Q > T:
+                qh = F.pad(qh, (0, 0, 0, Q - T))
+            o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, :K], vc[li:li + 1, :, :K],
+                                               attn_mask=mask, enable_gqa=True)[:, :, :T]
+            x = x + lin(wo, o[0].transpose(0, 1).reshape(T, H * D))  # [T, dim]
             h = F.rms_norm(x, (c.dim,), fn, c.norm_eps)
-            g, u = wgu(h).chunk(2, dim=-1)                           # [T, ffn] each
-            x = x + wd(F.silu(g) * u)
+            g, u = lin(wgu, h).chunk(2, dim=-1)                      # [T, ffn] each
+            x = x + lin(wd, F.silu(g) * u)
         x = x[rows]                                                            # only rows we need
         x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
+        if pad_to:
+            return torch.stack([F.linear(r.unsqueeze(0), self.lm_head)[0] for r in x]).float() \
+                if len(rows) else x.new_zeros((0, self.lm_head.shape[0]), dtype=torch.float32)
         if x.shape[0] == 1 and x.device.type == "cpu":   # matrix-vector is ~1.8x faster here
             return torch.mv(self.lm_head, x[0]).float().unsqueeze(0)
         return F.linear(x, self.lm_head).float()                              # [len(rows), V]
@@ -128,12 +150,17 @@ class Llama:
 class KVSession:
     """One sequence's K/V for the whole context, its token ids, and the next-token logits."""
 
-    def __init__(self, model: Llama, n_ctx: int, chunk: int):
+    def __init__(self, model: Llama, n_ctx: int, chunk: int, exact: bool = False):
+        """exact: prefill rows are bit-identical however a prompt is split between cache and
+        prefill (Llama.forward's pad_to); decode keeps its fast kernels, so rows it appends
+        are not those a prefill computes (the server drops them after each answer)."""
         c = model.cfg
+        self.exact = exact
         if n_ctx > model.max_context:
             raise ValueError(f"context {n_ctx} exceeds the rotary table ({model.max_context})")
         self.model, self.n_ctx, self.chunk = model, n_ctx, chunk
-        shape = (c.n_layers, c.n_kv_heads, n_ctx, c.head_dim)
+        cap = -(-n_ctx // chunk) * chunk if exact else n_ctx     # exact attention reads whole chunks
+        shape = (c.n_layers, c.n_kv_heads, cap, c.head_dim)
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.tokens: list[int] = []
@@ -149,7 +176,8 @@ class KVSession:
         ends.add(end)
         return sorted(ends)
 
-    def prefill(self, ids: list[int], logits_at=(), split_at=(), on_chunk=None) -> dict[int, torch.Tensor]:
+    def prefill(self, ids: list[int], logits_at=(), split_at=(), on_chunk=None,
+                _decode: bool = False) -> dict[int, torch.Tensor]:
         """Append ids. Returns {n: logits after the first n tokens} for each n in logits_at
         within the new span; self.logits is the logits after the last token."""
         start = len(self.tokens)
@@ -164,7 +192,8 @@ class KVSession:
         for hi in self.boundaries(start, end, split_at):
             chunk_ids = torch.tensor(ids[lo - start:hi - start], dtype=torch.long, device=dev)
             need = sorted(n for n in want if lo < n <= hi)
-            logits = self.model.forward(chunk_ids, lo, self.k, self.v, [n - lo - 1 for n in need])
+            logits = self.model.forward(chunk_ids, lo, self.k, self.v, [n - lo - 1 for n in need],
+                                        pad_to=self.chunk if self.exact and not _decode else 0)
             for n, row in zip(need, logits):
                 out[n] = row
             self.tokens.extend(ids[lo - start:hi - start])
@@ -175,7 +204,7 @@ class KVSession:
         return {n: v for n, v in out.items() if n in logits_at}
 
     def decode(self, token: int) -> torch.Tensor:
-        self.prefill([token])
+        self.prefill([token], _decode=True)
         return self.logits
 
     def truncate(self, k: int) -> None:

@@ -36,7 +36,7 @@ class Worker:
     def __init__(self, s: Settings, log):
         self.s, self.log = s, log
         self.model, self.n_ctx, load_s = build(s)
-        self.live = KVSession(self.model, self.n_ctx, s.chunk_size)
+        self.live = KVSession(self.model, self.n_ctx, s.chunk_size, exact=s.deterministic)
         log.info("model loaded in %.2f s: %s on %s, context %d", load_s, self.model.dtype,
                  self.model.device, self.n_ctx)
         ctx = zmq.Context.instance()
@@ -198,6 +198,7 @@ class Worker:
             self.check(job.rid)
 
         reason, n, t1 = "cancelled", 0, None
+        got: dict = {}
         s = self.s
         try:
             saves = [p for p in job.saves if r < p.pos <= len(ids)] if self.disk.enabled else []
@@ -237,17 +238,22 @@ class Worker:
                     # the last token is not run (unless asked): the next turn's prompt starts
                     # with it, and its prefill takes it for almost nothing
                     reason = finish
-                    if job.run_last and len(self.live) < self.n_ctx:
+                    if job.run_last and len(self.live) < self.n_ctx and not self.live.exact:
                         self.live.decode(tok)
                     break
                 self.check(job.rid)
                 logits = self.live.decode(tok)
-                if self.disk.enabled:
+                if self.disk.enabled and not self.live.exact:   # exact: decode rows are dropped
                     self.save_frontiers(len(self.live) - 1, len(self.live), {len(self.live): logits})
         except Cancelled:
             t1 = t1 or time.perf_counter()
         keep = self.keep.pop(job.rid, -1)
-        if 0 < keep < len(self.live):   # tokens the answer does not keep (after a tool call):
+        if self.live.exact and len(self.live) > len(ids) and len(ids) in got:
+            # decode rows are not what a prefill computes: drop them, the next turn prefills
+            # the answer, so every row in the session and its checkpoints is a prefill row
+            self.live.truncate(len(ids))
+            self.live.logits = got[len(ids)]
+        elif 0 < keep < len(self.live):   # tokens the answer does not keep (after a tool call):
             last = self.live.tokens[keep - 1]   # cut them, and re-run the last kept token for
             self.live.truncate(keep - 1)        # its logits (decode rows, as when generated),
             self.live.decode(last)              # so the session can still be checkpointed
