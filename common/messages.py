@@ -179,6 +179,7 @@ class CancelJob(msgspec.Struct, tag="cancel_job", frozen=True):
 
 class InferencePing(msgspec.Struct, tag="iping", frozen=True):
     rid: str
+    seq: int = 0                        # echoed in InferenceHealth
 
 
 class SlotFreed(msgspec.Struct, tag="slot_freed", frozen=True):
@@ -237,6 +238,8 @@ class InferenceHealth(msgspec.Struct, tag="ihealth", frozen=True):
     live_tokens: int
     quant_bits: int = 0
     boot: str = ""                      # new for every process: a change means it restarted
+    seq: int = 0                        # the InferencePing's
+    jobs: tuple[str, ...] = ()          # rids running or queued when the ping was read
 
 
 class IndexEntry(msgspec.Struct, frozen=True):

@@ -56,6 +56,7 @@ class Worker:
         self.cancelled: set[str] = set()
         self.keep: dict[str, int] = {}   # rid -> live tokens to keep when it is cancelled
         self.boot = uuid.uuid4().hex
+        self.running = ""                # rid of the job being executed
         self.stop = StopFlag()
 
     def send(self, msg) -> None:
@@ -64,11 +65,12 @@ class Worker:
     def send_persister(self, msg) -> None:
         self.to_persister.send(self.enc.encode(msg))
 
-    def health(self, rid: str) -> m.InferenceHealth:
+    def health(self, rid: str, seq: int = 0) -> m.InferenceHealth:
         return m.InferenceHealth(rid=rid, n_ctx=self.n_ctx, vocab_size=self.model.cfg.vocab_size,
                                  device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
                                  live_tokens=len(self.live), quant_bits=self.model.cfg.quant_bits,
-                                 boot=self.boot)
+                                 boot=self.boot, seq=seq,
+                                 jobs=((self.running,) if self.running else ()) + tuple(j.rid for j in self.jobs))
 
     def drain(self, timeout_ms: float = 0) -> None:
         """Read every waiting message: jobs queue up, cancels are noted, pings answered,
@@ -88,7 +90,7 @@ class Worker:
             elif isinstance(msg, m.PersisterHello):
                 self.disk.all_free()
             else:
-                self.send(self.health(msg.rid))
+                self.send(self.health(msg.rid, msg.seq))
 
     def check(self, rid: str) -> None:
         self.drain()
@@ -104,6 +106,7 @@ class Worker:
                     self.cancelled.discard(job.rid)
                     self.send(m.JobDone(rid=job.rid, reason="cancelled", live=tuple(self.live.tokens)))
                     continue
+                self.running = job.rid
                 try:
                     self.execute(job)
                 except Exception as e:  # the request fails; the process and the next ones go on
@@ -111,6 +114,7 @@ class Worker:
                     self.live.truncate(0)
                     self.send(m.JobError(rid=job.rid, message=f"inference error: {e}", live=()))
                 self.cancelled.discard(job.rid)
+                self.running = ""
         self.shutdown()
         return 0
 

@@ -89,6 +89,8 @@ class Renderer:
         self.heard_at_dispatch = False
         self.stopped: dict[str, None] = {}      # rids of foreign jobs already cancelled
         self.last_ping = 0.0
+        self.ping_seq = 0
+        self.dispatch_seq = 0   # pings sent before the current job; answers to later ones list it
         self.stop = StopFlag()
         log.info("ready: %s, context %d, %d tokens in vocabulary", self.model_id, self.n_ctx,
                  self.text.vocab_size)
@@ -131,7 +133,8 @@ class Renderer:
         now = time.monotonic()
         if now - self.last_ping > 1.0:
             self.last_ping = now
-            self.to_inference(m.InferencePing(rid="renderer"))
+            self.ping_seq += 1
+            self.to_inference(m.InferencePing(rid="renderer", seq=self.ping_seq))
         cur = self.current
         if cur is None:
             return
@@ -258,6 +261,7 @@ class Renderer:
                 p.calls = tools.CallParser(opened=tools.opener(choice))
         self.current, self.current_since = p, time.monotonic()
         self.heard_at_dispatch = self.current_since - self.last_heard < HEALTH_FRESH_S
+        self.dispatch_seq = self.ping_seq
         self.to_inference(m.Job(rid=rid, ids=tuple(ids), reuse=reuse, sampling=sampling,
                                 restore=restore.sha1 if restore else "",
                                 restore_tokens=restore.n_tokens if restore else 0,
@@ -271,13 +275,16 @@ class Renderer:
             return
         self.last_heard = time.monotonic()
         if isinstance(ev, m.InferenceHealth):
-            restarted = self.inference is not None and ev.boot != self.inference.boot
-            self.inference = ev
-            if restarted:
+            if self.inference is not None and ev.boot != self.inference.boot:
                 self.log.warning("the inference process restarted")
                 self.live = []
-                if self.current is not None:
-                    self.lose_current("the inference process restarted")
+            self.inference = ev
+            # pings and jobs travel in one pipe: an answer to a ping sent after the job that
+            # does not list it means the process that has the job is gone (it finished: its
+            # JobDone came first, on the event pipe)
+            cur = self.current
+            if cur is not None and ev.seq > self.dispatch_seq and cur.req.rid not in ev.jobs:
+                self.lose_current("the inference process does not hold it (it restarted)")
             return
         p = self.current
         if p is None or ev.rid != p.req.rid:

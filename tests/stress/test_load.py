@@ -1,10 +1,13 @@
 """5. Load: concurrent clients, each holding several conversations that interleave, so the
 one live session is evicted and restored from disk all the time. Greedy, short answers:
-every answer must equal the answer of its conversation run alone. No deadlock (a global
+with --deterministic every answer must equal the answer of its conversation run alone; in
+the default mode the differing answers are counted (a prompt split differently between
+cache and prefill runs other kernel shapes, and near-ties flip). No deadlock (a global
 timeout), RSS of every process stable, and a full queue answers 429 with Retry-After.
 
-Full campaign: 16 clients x 3 conversations x 6 turns (288 requests, after a warm-up);
-the fast subset: 2 clients x 2 conversations x 2 turns.
+Full campaign: 16 clients x 3 conversations x 6 turns (288 requests, after a reference run
+of each conversation alone), in both modes; the fast subset: 2 clients x 2 conversations x
+2 turns, deterministic.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import FULL, Stats, scale
+from .conftest import FULL, Stats, full_only, scale
 from .harness import check_dir
 
 CLIENTS, CONVS, TURNS = scale((2, 2, 2), (16, 3, 6))
@@ -29,9 +32,9 @@ TOPICS = ["opening hours", "prices", "how to book", "what to bring", "the weathe
           "dogs", "groups", "gift cards", "accessibility", "the history of the place", "the staff", "events"]
 
 
-def system_prompt(conv: int) -> str:
+def system_prompt(conv: int, mode: str) -> str:
     place = PLACES[conv % len(PLACES)]
-    return (f"You are the assistant of {place} (desk {conv}). Visitors ask about opening hours, prices, "
+    return (f"You are the assistant of {place} (desk {conv}, {mode}). Visitors ask about opening hours, prices, "
             f"bookings and what to expect. Be friendly and precise, and answer in one short sentence.")
 
 
@@ -41,13 +44,13 @@ def user_turn(conv: int, turn: int) -> str:
 
 
 class Conversation:
-    def __init__(self, conv: int):
-        self.conv = conv
+    def __init__(self, conv: int, mode: str):
+        self.conv, self.mode = conv, mode
         self.answers: list[str] = []
         self.cached: list[int] = []
 
     def messages(self, turn: int) -> list[dict]:
-        msgs = [{"role": "system", "content": system_prompt(self.conv)}]
+        msgs = [{"role": "system", "content": system_prompt(self.conv, self.mode)}]
         for t in range(turn + 1):
             msgs.append({"role": "user", "content": user_turn(self.conv, t)})
             if t < turn:
@@ -65,16 +68,29 @@ class Conversation:
         return text
 
 
-def test_interleaved_conversations_under_load(healthy):
+@pytest.mark.parametrize("mode", ["deterministic", pytest.param("default", marks=full_only)])
+def test_interleaved_conversations_under_load(healthy, mode):
     c = healthy
+    if mode == "deterministic":
+        c.kill("inference")
+        c.start("inference", env={"RICORDO_DETERMINISTIC": "1"})
+    try:
+        run_load(c, mode)
+    finally:
+        if mode == "deterministic":
+            c.kill("inference")
+            c.start("inference", env={"RICORDO_DETERMINISTIC": None})
+
+
+def run_load(c, mode: str):
     n = CLIENTS * CONVS
     # reference: each conversation alone, its turns one after the other
-    alone = [Conversation(i) for i in range(n)]
+    alone = [Conversation(i, mode) for i in range(n)]
     for conv in alone:
         for t in range(TURNS):
             conv.turn(c, t)
     # load: CLIENTS threads, each cycling through its CONVS conversations turn by turn
-    convs = [Conversation(i) for i in range(n)]
+    convs = [Conversation(i, mode) for i in range(n)]
     rss_first: dict = {}
     done = [0]
     lock = threading.Lock()
@@ -104,12 +120,13 @@ def test_interleaved_conversations_under_load(healthy):
     from_cache = sum(1 for cv in convs for x in cv.cached if x > 0)
     n_checked, bad = check_dir(c.kv_dir)
     mb = lambda d: {k: round(v / 2 ** 20) for k, v in d.items()}       # noqa: E731
-    Stats.add("load: interleaved conversations", clients=CLIENTS, conversations=n, turns=TURNS,
+    Stats.add(f"load: interleaved conversations ({mode})", clients=CLIENTS, conversations=n, turns=TURNS,
               requests=n * TURNS, reference_requests=n * TURNS, seconds=round(elapsed), answers_differing=len(mismatches),
               requests_with_cached_tokens=from_cache, files_checked=n_checked, corrupt_found=len(bad),
               rss_mb_first=mb(rss_first), rss_mb_last=mb(rss_last))
     assert not bad
-    assert not mismatches, mismatches[:5]
+    if mode == "deterministic":
+        assert not mismatches, mismatches[:5]
     assert from_cache >= n * (TURNS - 1) // 2, "few requests came from the cache"
     assert c.all_alive(), c.dead()
     # RSS: after the warm-up, no process grows by more than a quarter (+64 MB of slack)
