@@ -18,6 +18,9 @@ from procs.inference.loader import LoadedWeights, ModelConfig
 # Decode (a few rows) is bound by weight bytes read; 4-bit packed weights read 4x fewer
 # bytes than bf16. Prefill is compute-bound and keeps the bf16 matmul.
 Q4_MAX_ROWS = 4
+# Exact mode runs attention on blocks of this many query rows (padded), so that a short
+# suffix does not pay for a whole chunk of queries against a long context.
+EXACT_Q = 64
 
 
 class Q4Linear:
@@ -109,13 +112,14 @@ class Llama:
         x = F.embedding(ids, self.embed)                                       # [T, dim]
         cos = self.cos[pos:S].unsqueeze(1)                                     # [T, 1, D]
         sin = self.sin[pos:S].unsqueeze(1)
-        mask, Q, K = None, T, S          # query rows and keys that attention runs on
-        if pad_to:  # pad_to query rows x keys to a multiple of pad_to: one kernel, one blocking
-            Q, K = pad_to, -(-S // pad_to) * pad_to
+        mask, K = None, S                # the keys attention runs on
+        if pad_to:  # blocks of EXACT_Q query rows x keys to a multiple of pad_to: one blocking
+            nq = -(-T // EXACT_Q) * EXACT_Q
+            K = -(-S // pad_to) * pad_to
             if K > kc.shape[2]:
                 raise ValueError(f"exact mode needs a K/V capacity of {K} (a multiple of {pad_to})")
-            lim = torch.arange(pos, pos + Q, device=self.device).clamp_(max=S - 1).unsqueeze(1)
-            mask = torch.zeros((Q, K), dtype=self.dtype, device=self.device)
+            lim = torch.arange(pos, pos + nq, device=self.device).clamp_(max=S - 1).unsqueeze(1)
+            mask = torch.zeros((nq, K), dtype=self.dtype, device=self.device)
             mask.masked_fill_(torch.arange(K, device=self.device).unsqueeze(0) > lim, float("-inf"))
         elif T > 1:  # causal, bottom-right aligned: query i sees keys 0..pos+i
             mask = torch.full((T, S), float("-inf"), dtype=self.dtype, device=self.device)
@@ -129,10 +133,14 @@ class Llama:
             kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
             vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
             qh = q.transpose(0, 1).unsqueeze(0)                                # [1, H, T, D]
-            if Q > T:
-                qh = F.pad(qh, (0, 0, 0, Q - T))
-            o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, :K], vc[li:li + 1, :, :K],
-                                               attn_mask=mask, enable_gqa=True)[:, :, :T]
+            if pad_to:
+                qh = F.pad(qh, (0, 0, 0, nq - T))
+                o = torch.cat([F.scaled_dot_product_attention(
+                    qh[:, :, a:a + EXACT_Q], kc[li:li + 1, :, :K], vc[li:li + 1, :, :K],
+                    attn_mask=mask[a:a + EXACT_Q], enable_gqa=True) for a in range(0, nq, EXACT_Q)], dim=2)[:, :, :T]
+            else:
+                o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, :S], vc[li:li + 1, :, :S],
+                                                   attn_mask=mask, enable_gqa=True)
             x = x + lin(wo, o[0].transpose(0, 1).reshape(T, H * D))  # [T, dim]
             h = F.rms_norm(x, (c.dim,), fn, c.norm_eps)
             g, u = lin(wgu, h).chunk(2, dim=-1)                      # [T, ffn] each
