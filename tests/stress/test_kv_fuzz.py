@@ -362,7 +362,9 @@ def test_corrupt_fingerprint_is_rejected_once(healthy):
             settle(c.kv_dir, c.trace_path)
         n = c.trace().count(f"rejected sha1={target} (reason: ")
         Stats.add("fuzz: fingerprint byte flipped (end to end)", requests=4, rejections_of_same_file=n,
-                  file_still_there=path.exists(), file_verify=(kf.verify(str(path)) if path.exists() else None))
+                  file_rewritten_sound=path.exists() and not kf.verify(str(path)))
+        # deleted, then written again by the cold prefill of the same prompt: sound
+        assert not path.exists() or not kf.verify(str(path))
     finally:
         path.unlink(missing_ok=True)          # not for the directory checks of later tests
     assert n == 1, f"the same corrupt file was tried {n} times"
