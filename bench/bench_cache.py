@@ -52,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -345,8 +346,11 @@ def restore_speed(path: str, n_runs: int) -> dict:
             t0 = time.perf_counter()
             e = kvfile.read(path, expect_geometry=disk.geometry, expect_fingerprint=model.fingerprint)
             t1 = time.perf_counter()
-            k = torch.from_numpy(e.k.copy()).view(model.dtype) if model.dtype == torch.bfloat16 else torch.from_numpy(e.k.copy())
-            v = torch.from_numpy(e.v.copy()).view(model.dtype) if model.dtype == torch.bfloat16 else torch.from_numpy(e.v.copy())
+            with warnings.catch_warnings():       # views of the read-only mmap, as Disk.restore
+                warnings.simplefilter("ignore")
+                k, v = torch.from_numpy(e.k), torch.from_numpy(e.v)
+            if model.dtype == torch.bfloat16:
+                k, v = k.view(model.dtype), v.view(model.dtype)
             sess.import_([int(t) for t in e.tokens], torch.from_numpy(e.logits.copy()), k, v)
             t2 = time.perf_counter()
             out["read_s"].append(t1 - t0)
