@@ -80,14 +80,15 @@ class Llama:
         ang = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)
         ang = torch.cat([ang, ang], dim=-1)
         self.cos = ang.cos().to(self.device, self.dtype)
-        self.sin = ang.sin().to(self.device, self.dtype)
+        # sin with rotate-half's sign folded in: x*cos + roll(x, D/2)*sin equals
+        # x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in fewer ops
+        sign = torch.cat([-torch.ones(c.head_dim // 2), torch.ones(c.head_dim // 2)]).double()
+        self.sin = (ang.sin() * sign).to(self.device, self.dtype)
         self.max_context = max_context
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; cos/sin: [T, 1, D]
-        h = x.shape[-1] // 2
-        rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-        return x * cos + rot * sin
+        # x: [T, heads, D]; cos/sin: [T, 1, D] (sin signed, see __init__)
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor,
@@ -127,9 +128,8 @@ class Llama:
         for li, (an, wqkv, wo, fn, wgu, wd) in enumerate(self.layers):
             h = F.rms_norm(x, (c.dim,), an, c.norm_eps)
             qkv = lin(wqkv, h)                                       # [T, (H+2KV)*D]
-            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-            q = self._rope(q.view(T, H, D), cos, sin)
-            k = self._rope(k.view(T, KV, D), cos, sin)
+            qk = self._rope(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)   # q and k at once
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:]
             kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
             vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
             qh = q.transpose(0, 1).unsqueeze(0)                                # [1, H, T, D]
