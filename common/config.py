@@ -31,7 +31,7 @@ class Settings:
     ctx_size: int = opt(8192, "context size in tokens (capped at the model's)", ("generate", "renderer", "inference", "web"))
     chunk_size: int = opt(512, "prefill chunk size; chunks end at absolute multiples of it", ("generate", "inference"))
     deterministic: bool = opt(False, "answers independent of what was cached: every prefill runs as whole "
-                              "chunks and decoded rows are recomputed next turn (slower short prefills)",
+                              "chunks and an answer's rows are prefilled again after it is sent (slower short prefills)",
                               ("generate", "inference"))
     model_id: str = opt("", "model id served by /v1/models (default: file name without extension)", ("web", "renderer"))
     # process wiring

@@ -220,8 +220,9 @@ def test_exact_mode_rows_do_not_depend_on_the_split(model, long_ids):
 
 
 def test_exact_mode_decode_then_prefill(model, long_ids):
-    """Rows appended by decode are not prefill rows (int4 kernels); the server drops them
-    after an answer. Dropped and re-prefilled, the session equals a straight prefill."""
+    """Rows appended by decode are not prefill rows (int4 kernels); after an answer the
+    server prefills its tokens again. Dropped and re-prefilled, the session equals a
+    straight prefill."""
     ids = long_ids[:300]
     a = KVSession(model, 512, 512, exact=True)
     a.prefill(ids[:280])

@@ -161,7 +161,7 @@ class KVSession:
     def __init__(self, model: Llama, n_ctx: int, chunk: int, exact: bool = False):
         """exact: prefill rows are bit-identical however a prompt is split between cache and
         prefill (Llama.forward's pad_to); decode keeps its fast kernels, so rows it appends
-        are not those a prefill computes (the server drops them after each answer)."""
+        are not those a prefill computes (the server prefills them again after each answer)."""
         c = model.cfg
         self.exact = exact
         if n_ctx > model.max_context:

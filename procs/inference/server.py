@@ -177,6 +177,24 @@ class Worker:
         self.send(m.Begun(rid=job.rid, cached=r, prompt_tokens=len(job.ids), source="live" if r else "cold"))
         return list(job.ids), r
 
+    def redo_answer(self, n_prompt: int, prompt_logits, end: int) -> None:
+        """Exact mode: the rows decode appended (int4 kernels) are not what a prefill
+        computes. Replace them by a prefill of the same tokens (the answer is sent already;
+        only the next job waits), so the session and its checkpoints hold prefill rows only
+        and the next turn still finds the answer cached."""
+        redo = self.live.tokens[n_prompt:end]
+        self.live.truncate(n_prompt)
+        self.live.logits = prompt_logits
+        if not redo:
+            return
+        s = self.s
+        frontiers = continued_frontiers(n_prompt, end, s.kv_cache_continued_interval_tokens,
+                                        s.kv_cache_boundary_align_tokens, self.last_frontier) \
+            if self.disk.enabled else []
+        got = self.live.prefill(redo, logits_at=frontiers)
+        if frontiers:
+            self.save_frontiers(n_prompt, end, got)
+
     def save_frontiers(self, start: int, end: int, logits_at: dict) -> None:
         s = self.s
         for f in continued_frontiers(start, end, s.kv_cache_continued_interval_tokens,
@@ -242,21 +260,18 @@ class Worker:
                     # the last token is not run (unless asked): the next turn's prompt starts
                     # with it, and its prefill takes it for almost nothing
                     reason = finish
-                    if job.run_last and len(self.live) < self.n_ctx and not self.live.exact:
+                    if job.run_last and len(self.live) < self.n_ctx:
                         self.live.decode(tok)
                     break
                 self.check(job.rid)
                 logits = self.live.decode(tok)
-                if self.disk.enabled and not self.live.exact:   # exact: decode rows are dropped
+                if self.disk.enabled and not self.live.exact:   # exact: decode rows are redone at the end
                     self.save_frontiers(len(self.live) - 1, len(self.live), {len(self.live): logits})
         except Cancelled:
             t1 = t1 or time.perf_counter()
         keep = self.keep.pop(job.rid, -1)
         if self.live.exact and len(self.live) > len(ids) and len(ids) in got:
-            # decode rows are not what a prefill computes: drop them, the next turn prefills
-            # the answer, so every row in the session and its checkpoints is a prefill row
-            self.live.truncate(len(ids))
-            self.live.logits = got[len(ids)]
+            self.redo_answer(len(ids), got[len(ids)], keep if 0 < keep < len(self.live) else len(self.live))
         elif 0 < keep < len(self.live):   # tokens the answer does not keep (after a tool call):
             last = self.live.tokens[keep - 1]   # cut them, and re-run the last kept token for
             self.live.truncate(keep - 1)        # its logits (decode rows, as when generated),

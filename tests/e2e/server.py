@@ -35,7 +35,7 @@ LOG_TAIL = 80
 # settings from the caller's environment that say where the model is or how to run it; every
 # other RICORDO_* (and PORT, WEB_CONCURRENCY) is dropped so a test sees only what it asked for
 _KEEP = {"RICORDO_MODEL", "RICORDO_MODELS", "RICORDO_MODELS_DIR", "RICORDO_DEVICE", "RICORDO_DTYPE",
-         "RICORDO_THREADS"}
+         "RICORDO_THREADS", "RICORDO_DETERMINISTIC"}
 
 
 class ServerError(RuntimeError):
