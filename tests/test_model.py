@@ -201,13 +201,16 @@ def test_exact_mode_rows_do_not_depend_on_the_split(model, long_ids):
     ids = long_ids[:600]
     splits = [(), (37,), (511, 513), (599,), (5, 20, 550)]
 
+    at = (100, 300, 560)                 # logits inside the prompt too (what checkpoints store)
+
     def run(cuts, exact):
         s = KVSession(model, 1024, 512, exact=exact)
-        lo = 0
+        lo, mid = 0, {}
         for hi in list(cuts) + [len(ids)]:
-            s.prefill(ids[lo:hi])
+            mid.update(s.prefill(ids[lo:hi], logits_at=at))
             lo = hi
-        return s.logits.clone(), s.k[:, :, :len(ids)].clone(), s.v[:, :, :len(ids)].clone()
+        return (s.logits.clone(), s.k[:, :, :len(ids)].clone(), s.v[:, :, :len(ids)].clone(),
+                *(mid[n] for n in at))
 
     ref = run((), True)
     differing = [c for c in splits[1:] if not all(torch.equal(a, b) for a, b in zip(run(c, True), ref))]

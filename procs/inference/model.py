@@ -98,7 +98,9 @@ class Llama:
         Returns float32 logits [len(rows), V] for the given row indices into ids (0..T-1).
         pad_to > 0 (exact mode): every row is computed by the same kernels whatever T and pos
         are: linears on inputs zero-padded to pad_to rows (a GEMM's row depends on M, not on
-        where in the block the row sits), attention always masked, logits one row at a time.
+        where in the block the row sits), attention on padded blocks of EXACT_Q query rows
+        against keys padded to a multiple of pad_to (masked), logits one row at a time.
+        Row-wise ops (norms, RoPE, SiLU) do not depend on T (checked by tests/test_model.py).
         """
         c = self.cfg
         T, S = ids.shape[0], pos + ids.shape[0]
@@ -145,11 +147,13 @@ class Llama:
             h = F.rms_norm(x, (c.dim,), fn, c.norm_eps)
             g, u = lin(wgu, h).chunk(2, dim=-1)                      # [T, ffn] each
             x = x + lin(wd, F.silu(g) * u)
+        if pad_to:
+            if not rows:
+                return x.new_zeros((0, self.lm_head.shape[0]), dtype=torch.float32)
+            return torch.cat([F.linear(F.rms_norm(x[i:i + 1], (c.dim,), self.norm, c.norm_eps), self.lm_head)
+                              for i in rows]).float()
         x = x[rows]                                                            # only rows we need
         x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
-        if pad_to:
-            return torch.stack([F.linear(r.unsqueeze(0), self.lm_head)[0] for r in x]).float() \
-                if len(rows) else x.new_zeros((0, self.lm_head.shape[0]), dtype=torch.float32)
         if x.shape[0] == 1 and x.device.type == "cpu":   # matrix-vector is ~1.8x faster here
             return torch.mv(self.lm_head, x[0]).float().unsqueeze(0)
         return F.linear(x, self.lm_head).float()                              # [len(rows), V]
