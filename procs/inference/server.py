@@ -32,6 +32,9 @@ class Cancelled(Exception):
     pass
 
 
+MAX_CANCELLED = 10_000      # remembered cancels beyond which those of unknown jobs are forgotten
+
+
 class Worker:
     def __init__(self, s: Settings, log):
         self.s, self.log = s, log
@@ -83,6 +86,9 @@ class Worker:
                 self.jobs.append(msg)
             elif isinstance(msg, m.CancelJob):
                 self.cancelled.add(msg.rid)
+                if len(self.cancelled) > MAX_CANCELLED:   # cancels of jobs this process never saw
+                    known = {j.rid for j in self.jobs} | {self.running}
+                    self.cancelled &= known | {msg.rid}
                 if msg.keep >= 0:
                     self.keep[msg.rid] = msg.keep
             elif isinstance(msg, m.SlotFreed):
