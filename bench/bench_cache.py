@@ -48,7 +48,6 @@ import multiprocessing as mp
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -226,7 +225,7 @@ def cycle(conv: Conversations, size: int, rep: int, args, keep_dir: Path | None)
     env = {"RICORDO_KV_DISK_DIR": cache_dir, "RICORDO_TRACE": trace}
     res = {"size": size, "rep": rep, "cold": [], "live": [], "restored": [], "notes": [], "log": [],
            "first_request_s": []}
-    srv = Server(env, tmp=tmp / "srv")
+    srv = Server(env)
     toff = 0
 
     def measured(kind: str, msgs, expect) -> None:
@@ -261,6 +260,7 @@ def cycle(conv: Conversations, size: int, rep: int, args, keep_dir: Path | None)
         res["log"] += [x for x in server.log_text().splitlines()
                        if any(k in x for k in ("inference INFO job", "restored", "shutdown", "stored",
                                                "WARNING", "ERROR", "Traceback"))]
+        server.close()
 
     res["start_s"], res["stop_s"] = [], []
     try:
@@ -289,7 +289,7 @@ def cycle(conv: Conversations, size: int, rep: int, args, keep_dir: Path | None)
         down(srv)
         # restored: a full restart on the same dir, a new message never sent
         for k in range(args.restores):
-            srv = Server(env, tmp=tmp / f"srv{k + 2}")
+            srv = Server(env)
             client, model = up(srv)
             msgs = conv.turn2(a1, again, seed + 200 + k)
             measured("restored", msgs, lambda r: (r["cached_tokens"] or 0) >= res["turn1_tokens"])
@@ -304,7 +304,7 @@ def cycle(conv: Conversations, size: int, rep: int, args, keep_dir: Path | None)
             shutil.copy2(cache_dir / big, keep_dir / big)
             res["kept"] = str(keep_dir / big)
     finally:
-        srv.stop()
+        srv.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return res
 

@@ -36,25 +36,18 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-VENV_BIN = REPO / ".venv" / "bin"
 
 import httpx  # noqa: E402
 
-# settings kept from the caller's environment (where the model is, how to run it); every other
-# RICORDO_* and PORT / WEB_CONCURRENCY is dropped so a run sees only what the bench sets
-_KEEP = {"RICORDO_MODEL", "RICORDO_MODELS", "RICORDO_MODELS_DIR", "RICORDO_DEVICE", "RICORDO_DTYPE",
-         "RICORDO_THREADS"}
+from tests.e2e.server import Server as E2EServer  # noqa: E402
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France? Answer with one word."
@@ -64,127 +57,30 @@ def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def med(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
 # --- starting and stopping the real server ------------------------------------------------
 
-class Server:
-    """One `honcho start` of the Procfile (every process), on a free port, with its own run
-    dir and log. `env` adds RICORDO_* settings, WEB_CONCURRENCY, ..."""
+class Server(E2EServer):
+    """The tests' `honcho start` of the Procfile (tests/e2e/server.py) with the bench's
+    habits: start() returns the seconds until /health was 200, clients wait up to 600 s,
+    stop() gives the shutdown checkpoint 30 s."""
 
-    def __init__(self, env: dict | None = None, tmp: Path | None = None):
-        self.env_extra = {k: str(v) for k, v in (env or {}).items()}
-        self.tmp = Path(tmp or tempfile.mkdtemp(prefix="ricordo-bench-"))
-        self.run_dir = self.tmp / "run"
-        self.log_path = self.tmp / "honcho.log"
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-        self.health: dict = {}
+    def __init__(self, env: dict | None = None):
+        super().__init__(env, start_timeout=180.0, name="ricordo-bench")
 
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self):
-        import openai
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="x", timeout=600.0, max_retries=0)
-
-    def env(self) -> dict:
-        env = {k: v for k, v in os.environ.items()
-               if not (k.startswith("RICORDO_") and k not in _KEEP) and k not in ("PORT", "WEB_CONCURRENCY")}
-        env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-        env["VIRTUAL_ENV"] = str(VENV_BIN.parent)
-        env["PORT"] = str(self.port)
-        env["RICORDO_RUN_DIR"] = str(self.run_dir)
-        env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.env_extra)
-        return env
-
-    def command(self) -> list[str]:
-        envfile = self.tmp / "empty.env"      # no repo .env leaks in
-        envfile.touch()
-        return [str(VENV_BIN / "honcho"), "start", "-f", str(REPO / "Procfile"), "-d", str(REPO),
-                "-e", str(envfile), "--no-colour"]
-
-    def start(self, timeout: float = 180.0) -> float:
-        """Start and wait for /health 200; returns the seconds that took."""
-        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    def start(self) -> float:
         t0 = time.monotonic()
-        with open(self.log_path, "ab") as f:
-            f.write(f"==== start {time.strftime('%H:%M:%S')} port {self.port}\n".encode())
-            f.flush()
-            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=self.env(), stdin=subprocess.DEVNULL,
-                                         stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        last = ""
-        with httpx.Client(timeout=5.0) as c:
-            while time.monotonic() - t0 < timeout:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"honcho exited with {self.proc.returncode}\n{self.tail()}")
-                try:
-                    r = c.get(self.base_url + "/health")
-                    if r.status_code == 200:
-                        self.health = r.json()
-                        return time.monotonic() - t0
-                    last = r.text[:200]
-                except httpx.HTTPError as e:
-                    last = repr(e)
-                time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"/health not 200 after {timeout:.0f} s ({last})\n{self.tail()}")
-
-    def stop(self, kill_after: float = 30.0) -> float:
-        """SIGTERM to honcho (it passes it on; inference writes its shutdown checkpoint and the
-        persister drains it); seconds until honcho exited. Its process group is killed after
-        kill_after seconds."""
-        if self.proc is None:
-            return 0.0
-        t0 = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(kill_after)
-        except subprocess.TimeoutExpired:
-            log(f"  honcho {self.proc.pid} still running after {kill_after:.0f} s; killing its group")
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
-        # honcho leads its own group (start_new_session); wait for stragglers of that group
-        end = time.monotonic() + 10
-        while time.monotonic() < end and _group_alive(self.proc.pid):
-            time.sleep(0.05)
-        self.proc = None
+        super().start()
         return time.monotonic() - t0
 
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+    def client(self):
+        return super().client(timeout=600.0)
 
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-n:])
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+    def stop(self, kill_after: float = 30.0) -> float:
+        return super().stop(kill_after)
 
 
 # --- (a) fully cached prompt: server vs in-process ------------------------------------------

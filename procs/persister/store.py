@@ -116,11 +116,6 @@ class Store:
         off_kv = off_logits + 4 * save.vocab_size
         if len(body) != off_kv + 2 * rows:
             raise ValueError(f"slot holds {len(body)} bytes, expected {off_kv + 2 * rows}")
-        logits = np.frombuffer(body[off_logits:off_kv], dtype="<f4")
-        kv = np.frombuffer(body[off_kv:], dtype=kvfile.KV_NUMPY[save.kv_dtype])
-        kv = kv.reshape(save.n_layers, 2, n, save.kv_heads, save.head_dim)
-        parts = kvfile.write_parts(text, save.tokens, logits, kv[:, 0], kv[:, 1], g, save.fingerprint,
-                                   save.quant_bits, save.reason, ktm=ktm or None)
         size = kvfile.TEXT_OFFSET + len(text) + kvfile.payload_size(n, g)    # KTM aside: small
         if size > self.budget:      # it would be evicted at once (section 8): spare the fsync
             if not self.warned_budget:
@@ -130,6 +125,11 @@ class Store:
             self.trace.line(f"KV cache: not stored sha1={sha1} ({n} tokens, {size} bytes alone exceed "
                             f"the disk budget of {self.budget} bytes)")
             return None
+        logits = np.frombuffer(body[off_logits:off_kv], dtype="<f4")
+        kv = np.frombuffer(body[off_kv:], dtype=kvfile.KV_NUMPY[save.kv_dtype])
+        kv = kv.reshape(save.n_layers, 2, n, save.kv_heads, save.head_dim)
+        parts = kvfile.write_parts(text, save.tokens, logits, kv[:, 0], kv[:, 1], g, save.fingerprint,
+                                   save.quant_bits, save.reason, ktm=ktm or None)
         tmp = f"{final}.tmp.{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

@@ -34,8 +34,23 @@ LOG_TAIL = 80
 
 # settings from the caller's environment that say where the model is or how to run it; every
 # other RICORDO_* (and PORT, WEB_CONCURRENCY) is dropped so a test sees only what it asked for
-_KEEP = {"RICORDO_MODEL", "RICORDO_MODELS", "RICORDO_MODELS_DIR", "RICORDO_DEVICE", "RICORDO_DTYPE",
-         "RICORDO_THREADS", "RICORDO_DETERMINISTIC"}
+KEEP_ENV = {"RICORDO_MODEL", "RICORDO_MODELS", "RICORDO_MODELS_DIR", "RICORDO_DEVICE", "RICORDO_DTYPE",
+            "RICORDO_THREADS", "RICORDO_DETERMINISTIC"}
+
+
+def child_env(port: int, run_dir, extra: dict) -> dict[str, str]:
+    """The environment of a server started from here (honcho, or one Procfile process):
+    the caller's, less its other RICORDO_* / PORT / WEB_CONCURRENCY, the venv first on
+    PATH, then `extra` (a None value removes the variable)."""
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("RICORDO_") and k not in KEEP_ENV) and k not in ("PORT", "WEB_CONCURRENCY")}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(VENV_BIN.parent)
+    env["PORT"] = str(port)
+    env["RICORDO_RUN_DIR"] = str(run_dir)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}
 
 
 class ServerError(RuntimeError):
@@ -93,15 +108,7 @@ class Server:
 
     # -- lifecycle --
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if not (k.startswith("RICORDO_") and k not in _KEEP) and k not in ("PORT", "WEB_CONCURRENCY")}
-        env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-        env["VIRTUAL_ENV"] = str(VENV_BIN.parent)
-        env["PORT"] = str(self.port)
-        env["RICORDO_RUN_DIR"] = str(self.run_dir)
-        env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.extra_env)
-        return env
+        return child_env(self.port, self.run_dir, self.extra_env)
 
     def command(self) -> list[str]:
         envfile = self.tmp / "empty.env"          # no repo .env leaks into a test

@@ -20,7 +20,6 @@ eviction test has its own server (a budget of a few MB). About four server start
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import re
@@ -34,6 +33,7 @@ import pytest
 
 from common import kvfile as kf
 
+from .cachedir import entries, longest_prefix_entry, settle, text_model
 from .server import Server
 
 pytestmark = pytest.mark.slow
@@ -63,18 +63,6 @@ HIT = re.compile(r"hit for sha1=([0-9a-f]{40}) \(loaded (\d+) tokens\)")
 
 # ------------------------------------------------------------------ helpers
 
-def entries(d) -> dict[str, int]:
-    """Cache entries in d: {sha1: size}."""
-    out = {}
-    for name in os.listdir(d):
-        if kf.is_entry_name(name):
-            try:
-                out[name[:-3]] = os.path.getsize(os.path.join(d, name))
-            except FileNotFoundError:
-                pass
-    return out
-
-
 def read_trace(path) -> str:
     try:
         return Path(path).read_text()
@@ -85,24 +73,6 @@ def read_trace(path) -> str:
 def stored(trace_path) -> list[tuple[str, int, str, int]]:
     """(sha1, tokens, reason, bytes) of every `stored` trace line, in order."""
     return [(s, int(n), r, int(b)) for s, n, r, b in STORED.findall(read_trace(trace_path))]
-
-
-def settle(d, trace_path, quiet: float = 1.2, timeout: float = 30.0) -> None:
-    """Wait until the directory and the trace stop changing (the persister writes
-    asynchronously, shortly after the prefill that asked for a checkpoint)."""
-    def state():
-        t = read_trace(trace_path)
-        return len(t), tuple(sorted(entries(d).items())) if os.path.isdir(d) else ()
-    last, since = state(), time.monotonic()
-    deadline = since + timeout
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = state()
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet:
-            return
-    raise AssertionError(f"{d} still changing after {timeout} s")
 
 
 def wait_for(pred, timeout: float = 15.0, what: str = "condition"):
@@ -136,30 +106,10 @@ def messages(system: str, users: list[str], answers: list[str]) -> list[dict]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def text_model():
-    from common.config import Settings
-    from common.models import load_text, resolve
-    return load_text(resolve("", Settings().models_path()))
-
-
 def prompt_bytes(msgs) -> bytes:
     """The rendered prompt, as the renderer makes it (the cache text of any checkpoint of it)."""
     t = text_model()
     return t.bos_text() + t.render_chat(msgs, add_generation_prompt=True).encode("utf-8", "surrogatepass")
-
-
-def longest_prefix_entry(d, prompt: bytes) -> str | None:
-    """The entry a lookup must pick: the longest cache text that is a byte prefix of prompt."""
-    best, best_len = None, -1
-    for sha in entries(d):
-        try:
-            text = kf.read_text(os.path.join(d, sha + ".kv"))
-        except (OSError, kf.KVFileError):
-            continue
-        if prompt.startswith(text) and len(text) > best_len:
-            best, best_len = sha, len(text)
-    return best
 
 
 # ------------------------------------------------------------------ the shared flow

@@ -30,7 +30,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.e2e.server import REPO, VENV_BIN, free_port
+from tests.e2e.cachedir import entries, longest_prefix_entry, temp_files, text_model  # noqa: F401 (for the tests)
+from tests.e2e.cachedir import settle as _settle
+from tests.e2e.server import REPO, child_env, free_port
 
 PROCS = ("web", "renderer", "inference", "persister")
 START_TIMEOUT_S = float(os.environ.get("RICORDO_STRESS_START_TIMEOUT", "240"))
@@ -44,8 +46,6 @@ CACHE_ENV = {
     "RICORDO_KV_CACHE_BOUNDARY_TRIM_TOKENS": "4",
     "RICORDO_KV_CACHE_CONTINUED_INTERVAL_TOKENS": "64",
 }
-_KEEP = {"RICORDO_MODEL", "RICORDO_MODELS", "RICORDO_MODELS_DIR", "RICORDO_DEVICE", "RICORDO_DTYPE",
-         "RICORDO_THREADS"}
 DROP_CAPS = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
 
 
@@ -112,16 +112,7 @@ class Cluster:
 
     # -- processes --
     def env(self, name: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if not (k.startswith("RICORDO_") and k not in _KEEP) and k not in ("PORT", "WEB_CONCURRENCY")}
-        env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-        env["VIRTUAL_ENV"] = str(VENV_BIN.parent)
-        env["PORT"] = str(self.port)
-        env["RICORDO_RUN_DIR"] = str(self.run_dir)
-        env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.extra)
-        env.update(self.overrides[name])
-        return {k: v for k, v in env.items() if v is not None}
+        return child_env(self.port, self.run_dir, {**self.extra, **self.overrides[name]})
 
     def log_path(self, name: str) -> Path:
         return self.tmp / f"{name}.log"
@@ -343,28 +334,9 @@ def _alive(p: psutil.Process) -> bool:
 
 # ------------------------------------------------------------------ the cache directory
 
-def entries(d) -> dict[str, int]:
-    """Cache entries in d (only `<40 hex>.kv` names): {sha1: size}."""
-    from common import kvfile
-    out = {}
-    try:
-        names = os.listdir(d)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if kvfile.is_entry_name(name):
-            try:
-                out[name[:-3]] = os.path.getsize(os.path.join(d, name))
-            except FileNotFoundError:
-                pass
-    return out
-
-
-def temp_files(d) -> list[str]:
-    try:
-        return sorted(n for n in os.listdir(d) if ".kv.tmp." in n)
-    except FileNotFoundError:
-        return []
+def settle(d, trace_path, quiet: float = 1.5, timeout: float = 120.0) -> None:
+    """cachedir.settle with the patience a loaded stress run needs."""
+    _settle(d, trace_path, quiet, timeout)
 
 
 def check_dir(d) -> tuple[int, list[tuple[str, list[str]]]]:
@@ -383,27 +355,6 @@ def check_dir(d) -> tuple[int, list[tuple[str, list[str]]]]:
     return n, bad
 
 
-def settle(d, trace_path, quiet: float = 1.5, timeout: float = 120.0) -> None:
-    """Wait until the directory and the trace stop changing (the persister writes shortly
-    after the prefill that asked for a checkpoint)."""
-    def state():
-        try:
-            t = os.path.getsize(trace_path)
-        except FileNotFoundError:
-            t = 0
-        return t, tuple(sorted(entries(d).items())), tuple(temp_files(d))
-    last, since = state(), time.monotonic()
-    deadline = since + timeout
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = state()
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet:
-            return
-    raise AssertionError(f"{d} still changing after {timeout} s")
-
-
 WORDS = ("harbour lantern orchard copper violin meadow glacier pepper saddle canyon thimble "
          "quarry falcon biscuit marble tundra walnut ribbon furnace pebble comet satchel "
          "cobalt trellis juniper anchor velvet cinder hazel mosaic parsley beacon granite "
@@ -419,28 +370,3 @@ def prose(seed: int, n_words: int) -> str:
 
 def unique_prompt(tag: str, seed: int, n_words: int = 90) -> str:
     return f"Log {tag}-{seed}: " + prose(seed, n_words) + ". Summary:"
-
-
-def longest_prefix_entry(d, prompt: bytes) -> str | None:
-    """The entry a lookup must pick: the longest cache text that is a byte prefix of prompt."""
-    from common import kvfile
-    best, best_len = None, -1
-    for sha in entries(d):
-        try:
-            text = kvfile.read_text(os.path.join(d, sha + ".kv"))
-        except (OSError, kvfile.KVFileError):
-            continue
-        if prompt.startswith(text) and len(text) > best_len:
-            best, best_len = sha, len(text)
-    return best
-
-
-def text_model():
-    from common.config import Settings
-    from common.models import load_text, resolve
-    global _TEXT
-    try:
-        return _TEXT
-    except NameError:
-        _TEXT = load_text(resolve("", Settings().models_path()))
-        return _TEXT

@@ -176,10 +176,14 @@ class AsgiRunner:
 COUNTS: dict[str, dict] = {}
 
 
-def record(where: str, status: int) -> None:
+def judge(where: str, bad: list, method: str, path: str, body: bytes, r) -> None:
+    """Count the answer; a 5xx is noted in `bad` and fails the example."""
     row = COUNTS.setdefault(where, {"requests": 0, "2xx": 0, "4xx": 0, "5xx": 0})
     row["requests"] += 1
-    row[f"{status // 100}xx"] = row.get(f"{status // 100}xx", 0) + 1
+    row[f"{r.status_code // 100}xx"] = row.get(f"{r.status_code // 100}xx", 0) + 1
+    if r.status_code >= 500:
+        bad.append((method, path, body[:300], r.status_code, r.text[:200]))
+    assert r.status_code < 500, (method, path, body[:300], r.text[:300])
 
 
 def test_fuzz_frontend_asgi():
@@ -191,11 +195,7 @@ def test_fuzz_frontend_asgi():
     @given(http_request(routes=tuple(ASGI_ROUTES)))
     def run(req):
         method, path, body, headers = req
-        r = runner.request(method, path, body, headers)
-        record("asgi", r.status_code)
-        if r.status_code >= 500:
-            bad.append((method, path, body[:300], r.status_code, r.text[:200]))
-        assert r.status_code < 500, (method, path, body[:300], r.text[:300])
+        judge("asgi", bad, method, path, body, runner.request(method, path, body, headers))
 
     try:
         run()
@@ -269,11 +269,8 @@ def test_fuzz_real_server(healthy):
         def run(req):
             method, path, body, headers = req
             body = real_body(method, path, body.replace(MODEL.encode(), served.encode()), headers)
-            r = h.request(method, path.replace(MODEL, served), content=body, headers=headers)
-            record("real", r.status_code)
-            if r.status_code >= 500:
-                bad.append((method, path, body[:300], r.status_code, r.text[:200]))
-            assert r.status_code < 500, (method, path, body[:300], r.text[:300])
+            judge("real", bad, method, path, body,
+                  h.request(method, path.replace(MODEL, served), content=body, headers=headers))
         try:
             run()
         finally:
