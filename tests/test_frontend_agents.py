@@ -260,7 +260,8 @@ def test_responses_bad_input():
              ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
              ({"input": "x", "temperature": "hot"}, "temperature"),
              ({"input": "x", "top_p": 0}, "top_p"),
-             ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format")]
+             ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format.schema"),
+             ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type")]
     for body, param in cases:
         oa_error(post("/v1/responses", body), 400, param)
     e = oa_error(post("/v1/responses", {"input": "x", "previous_response_id": "r"}), 400, code="unsupported_parameter")

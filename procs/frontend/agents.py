@@ -38,7 +38,7 @@ def json_text(v) -> str:
     return msgspec.json.encode(v).decode()
 
 
-def chat_tool(name, description, parameters, at: str, schema_key: str = "parameters") -> dict:
+def chat_tool(name, description, parameters, at: str, schema_key: str = "parameters", strict=None) -> dict:
     """One tool in the chat shape ({"type": "function", "function": {...}}), keys in the order
     a chat client sends them, so the same tools render (and cache) alike from every API."""
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
@@ -52,6 +52,10 @@ def chat_tool(name, description, parameters, at: str, schema_key: str = "paramet
         if not isinstance(parameters, dict):
             raise bad(f"{at}.{schema_key}", f"'{schema_key}' must be a JSON Schema object")
         fn["parameters"] = parameters
+    if strict is not None:
+        if not isinstance(strict, bool):
+            raise bad(f"{at}.strict", "'strict' must be a boolean")
+        fn["strict"] = strict
     return {"type": "function", "function": fn}
 
 

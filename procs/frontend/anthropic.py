@@ -234,8 +234,10 @@ def parse(body: dict, served_id: str, rid: str) -> Job:
     tools, choice = _tools(body)
     stream = get_bool(body, "stream")
     # logprobs carry every sampled token's bytes: how the frontend tells which stop string ended it
+    tc = body.get("tool_choice")
+    parallel = not (isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True)
     req = GenerateRequest(rid=rid, kind="chat", sampling=sampling, messages=tuple(messages), stop=stops,
-                          tools=tools, tool_choice=choice, logprobs=bool(stops))
+                          tools=tools, tool_choice=choice, logprobs=bool(stops), parallel_tool_calls=parallel)
     return Job(req, stream)
 
 

@@ -21,7 +21,7 @@ from common.messages import (Accepted, ChatMessage, Finished, GenerateRequest, P
                              ToolCall, ToolCallFunction, validate_sampling)
 from procs.frontend import agents
 from procs.frontend.agents import Block, Job, Outline, bad, get_bool, get_int, get_num, json_text
-from procs.frontend.schema import UNTIL_FULL, check_model
+from procs.frontend.schema import UNTIL_FULL, check_model, output_format
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -122,7 +122,8 @@ def _tools(body: dict) -> tuple[str, str, set]:
         for i, t in enumerate(tools):
             if t.get("type") != "function":
                 raise bad(f"tools[{i}].type", f"tool type {t.get('type')!r} is not supported; only 'function' is")
-            chat.append(agents.chat_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]"))
+            chat.append(agents.chat_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]",
+                                         strict=t.get("strict")))
             names.add(t["name"])
     out = None
     if choice is not None:
@@ -148,10 +149,9 @@ def parse(body: dict, served_id: str, rid: str) -> Job:
     if get_bool(body, "background"):
         raise bad("background", "background responses are not supported", code="unsupported_parameter")
     fmt = body.get("text")
-    if fmt is not None:
-        f = fmt.get("format") if isinstance(fmt, dict) else None
-        if not isinstance(fmt, dict) or (f is not None and (not isinstance(f, dict) or f.get("type") != "text")):
-            raise bad("text.format", "only the 'text' output format is supported")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad("text", "'text' must be an object")
+    out_format = output_format((fmt or {}).get("format"), "text.format", "")
     messages = _messages(body)
     mt = get_int(body, "max_output_tokens", lo=1)
     d = SamplingParams()
@@ -166,7 +166,8 @@ def parse(body: dict, served_id: str, rid: str) -> Job:
     stream = get_bool(body, "stream")
     get_bool(body, "store")
     req = GenerateRequest(rid=rid, kind="chat", sampling=sampling, messages=tuple(messages),
-                          tools=tools, tool_choice=choice)
+                          tools=tools, tool_choice=choice, response_format=out_format,
+                          parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True)
     return Job(req, stream, body=body, max_output_tokens=mt)
 
 
@@ -214,7 +215,7 @@ class Head:
                       "parallel_tool_calls": body.get("parallel_tool_calls", True),
                       "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
                       "store": False, "temperature": job.req.sampling.temperature,
-                      "text": {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice") or "auto",
+                      "text": {"format": ((body.get("text") or {}).get("format") or {"type": "text"})}, "tool_choice": body.get("tool_choice") or "auto",
                       "tools": tools, "top_p": job.req.sampling.top_p, "truncation": "disabled",
                       "user": body.get("user")}
 

@@ -231,6 +231,8 @@ def _tools(body: dict) -> tuple[str, str]:
                 raise bad(f"{at}.function.parameters", "'parameters' must be a JSON Schema object")
             if "description" in fn and not isinstance(fn["description"], str):
                 raise bad(f"{at}.function.description", "'description' must be a string")
+            if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+                raise bad(f"{at}.function.strict", "'strict' must be a boolean")
             names.add(name)
     if choice is not None:
         if isinstance(choice, str):
@@ -250,6 +252,35 @@ def _tools(body: dict) -> tuple[str, str]:
     return (_json_text(tools) if tools else "", _json_text(choice) if choice is not None else "")
 
 
+def output_format(fmt, param: str, schema_at: str) -> str:
+    """A response format ({"type": "text" | "json_object" | "json_schema", ...}) as the
+    renderer takes it: "" for text, else {"type", "schema", "strict"} as JSON. `schema_at`
+    is where the schema sits below `param` (chat nests it in "json_schema", Responses not)."""
+    if fmt is None:
+        return ""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return _json_text({"type": "json_object"})
+    if kind != "json_schema":
+        raise bad(f"{param}.type", f"'{param}.type' must be text, json_object or json_schema")
+    holder = fmt.get(schema_at) if schema_at else fmt
+    where = f"{param}.{schema_at}" if schema_at else param
+    if not isinstance(holder, dict):
+        raise bad(where, f"'{where}' must be an object")
+    name = holder.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise bad(f"{where}.name", "a json_schema needs a 'name' of 1-64 letters, digits, '_', '-', '.'")
+    schema = holder.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad(f"{where}.schema", "'schema' must be a JSON Schema object")
+    strict = holder.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad(f"{where}.strict", "'strict' must be a boolean")
+    return _json_text({"type": "json_schema", "schema": schema, "strict": bool(strict)})
+
+
 def parse_chat(body: dict, served_id: str, rid: str) -> Parsed:
     check_model(body, served_id)
     msgs = body.get("messages")
@@ -267,7 +298,9 @@ def parse_chat(body: dict, served_id: str, rid: str) -> Parsed:
     stream, usage = _stream(body)
     tools, choice = _tools(body)
     req = GenerateRequest(rid=rid, kind="chat", sampling=sampling, messages=messages, stop=_stop(body),
-                          tools=tools, tool_choice=choice, logprobs=logprobs)
+                          tools=tools, tool_choice=choice, logprobs=logprobs,
+                          response_format=output_format(body.get("response_format"), "response_format", "json_schema"),
+                          parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True)
     return Parsed(req, stream, usage)
 
 

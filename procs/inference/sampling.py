@@ -19,14 +19,18 @@ class Sampler:
             self.gen = torch.Generator(device="cpu")
             self.gen.manual_seed(p.seed if p.seed is not None else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
 
-    def __call__(self, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
-        """logits: float32 [V]. Returns (token, its logprob, top alternatives [(id, logprob)])."""
+    def __call__(self, logits: torch.Tensor, masked: torch.Tensor | None = None
+                 ) -> tuple[int, float, list[tuple[int, float]]]:
+        """logits: float32 [V]; masked: the same with forbidden tokens at -inf (a grammar),
+        sampled from instead. Returns (token, its logprob, top alternatives [(id, logprob)]),
+        the log-probabilities always the model's own."""
         p = self.p
         logits = logits.float().cpu()
+        pick = logits if masked is None else masked
         if p.temperature <= 0:
-            tok = int(torch.argmax(logits))
+            tok = int(torch.argmax(pick))
         else:
-            x = logits / p.temperature
+            x = pick / p.temperature
             if 0 < p.top_k < x.shape[0]:
                 kth = torch.topk(x, p.top_k).values[-1]
                 x = x.masked_fill(x < kth, float("-inf"))

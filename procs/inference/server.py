@@ -22,7 +22,9 @@ from common.logs import setup
 from common.policy import cold_position, continued_frontiers
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
+from common.models import load_text, resolve
 from procs.inference.disk import Disk, RestoreError
+from procs.inference.guide import Guides
 from procs.inference.model import KVSession
 from procs.inference.runtime import build
 from procs.inference.sampling import Sampler
@@ -40,6 +42,7 @@ class Worker:
         self.s, self.log = s, log
         self.model, self.n_ctx, load_s = build(s)
         self.live = KVSession(self.model, self.n_ctx, s.chunk_size, exact=s.deterministic)
+        self.guides = Guides(load_text(resolve(s.model, s.models_path())))
         log.info("model loaded in %.2f s: %s on %s, context %d", load_s, self.model.dtype,
                  self.model.device, self.n_ctx)
         ctx = zmq.Context.instance()
@@ -248,6 +251,7 @@ class Worker:
                 if self.disk.enabled:
                     self.save_frontiers(r, len(ids), got)
             sampler = Sampler(job.sampling)
+            guide = self.guides.start(job.constraint)
             stop_ids = set(job.sampling.stop_ids)
             logits = self.live.logits
             budget = min(job.sampling.max_tokens, self.n_ctx - len(self.live))
@@ -256,7 +260,9 @@ class Worker:
                 self.send(m.Token(rid=job.rid, id=-1, logprob=0.0, finish="length"))
                 save_prompt_checkpoints()
             while budget > 0:
-                tok, lp, top = sampler(logits)
+                tok, lp, top = sampler(logits, guide.mask(logits) if guide else None)
+                if guide:
+                    guide.advance(tok)
                 n += 1
                 finish = "stop" if tok in stop_ids else ("length" if n >= budget else "")
                 self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish))

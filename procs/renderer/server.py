@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +24,8 @@ from common.models import ModelError, context_size, load_text, resolve, served_m
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
 from procs.renderer.cache import DiskIndex, evict_needed, prefix_end_tokens, save_plan
-from procs.renderer import tools
+from common import guidance
+from procs.renderer import grammar, tools
 from procs.renderer.prompt import (PromptError, TextStream, plan_reuse, prefix_bytes, render,
                                    token_logprob, tool_choice)
 
@@ -51,6 +53,7 @@ class Pending:
     stream: TextStream | None = None
     calls: tools.CallParser | None = None   # set when generated tool calls are parsed
     finished: bool = False          # the web has its Finished/Failed; ignore further tokens
+    constraint: m.Constraint | None = None
 
 
 class Renderer:
@@ -78,6 +81,7 @@ class Renderer:
         self.to_persister.setsockopt(zmq.SNDHWM, 1000)
         self.to_persister.connect(address(s, PERSISTER))
         self.index = DiskIndex(s, self.trace)
+        self.grammars = grammar.Checker(guidance.tokenizer(self.text))
         self.enc = m.encoder()
         self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.InferenceOut)
         self.queue: collections.deque[Pending] = collections.deque()
@@ -194,15 +198,23 @@ class Renderer:
                                   code="context_length_exceeded")
             if len(self.queue) >= self.s.max_queue:
                 raise PromptError(None, "too many requests are waiting; retry later", code="queue_full", status=429)
-        except m.ParamError as e:
+            constraint = self.constrain(req)
+        except (m.ParamError, grammar.GrammarError) as e:
             self.to_web(route, m.Failed(rid=req.rid, status=400, message=str(e), param=e.param))
             return
         except PromptError as e:
             self.to_web(route, m.Failed(rid=req.rid, status=e.status, message=str(e), code=e.code, param=e.param))
             return
         self.to_web(route, m.Accepted(rid=req.rid, prompt_tokens=len(full)))
-        self.queue.append(Pending(route, req, prompt, full, admitted=time.monotonic()))
+        self.queue.append(Pending(route, req, prompt, full, admitted=time.monotonic(), constraint=constraint))
         self.dispatch()
+
+    def constrain(self, req: m.GenerateRequest) -> m.Constraint | None:
+        if req.kind != "chat" or not (req.tools or req.response_format):
+            return None
+        fmt = json.loads(req.response_format) if req.response_format else None
+        return self.grammars.make(json.loads(req.tools) if req.tools else [], tool_choice(req), fmt,
+                                  req.parallel_tool_calls)
 
     def holds(self, rid: str) -> bool:
         return (self.current is not None and self.current.req.rid == rid) or any(p.req.rid == rid for p in self.queue)
@@ -266,7 +278,7 @@ class Renderer:
                                 restore=restore.sha1 if restore else "",
                                 restore_tokens=restore.n_tokens if restore else 0,
                                 suffix=suffix if restore else (), saves=saves, evict=evict,
-                                run_last=p.calls is not None))
+                                run_last=p.calls is not None, constraint=p.constraint))
 
     # -- inference events --
     def on_event(self, ev) -> None:

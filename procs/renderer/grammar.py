@@ -1,0 +1,162 @@
+"""Grammars for constrained decoding: what a request's tools, tool_choice and response_format
+allow the model to generate, as llguidance Lark text.
+
+A call is `{"name": "<tool>", "arguments": <args>}` in json.dumps spacing (", " and ": "),
+the spacing tools.call_json renders a call from a client's JSON with: a constrained call
+replays byte-exactly even when its id is unknown. The grammar starts where generation
+starts: after the opener the prompt already ends with (tools.opener), or, for tool_choice
+auto, after the model itself wrote the opener (the trigger), so prose is never constrained.
+Objects whose schema leaves additionalProperties open are closed (as llama.cpp does): a
+small model otherwise invents keys until the token limit and the call never closes.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+
+import llguidance
+
+from common import messages as m
+from procs.renderer.tools import CLOSE, OPEN
+
+# JSON inside a grammar: one spacing, so a generated call reads as a rendered one
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_SUB = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+        "unevaluatedItems", "unevaluatedProperties")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+ANY_OBJECT = {"type": "object", "additionalProperties": True}
+
+
+class GrammarError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def closed(schema):
+    """A copy of a JSON Schema with every object that does not say otherwise closed to
+    keys it does not list. Walks schema keywords only, so a property named `properties`
+    stays a property."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUB:
+        if isinstance(out.get(k), dict):
+            out[k] = closed(out[k])
+    for k in _SUB_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed(x) for x in out[k]]
+    for k in _SUB_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(x) for name, x in out[k].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(out["additionalProperties"])
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
+    if (is_object or "properties" in out) and "additionalProperties" not in out \
+            and "patternProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _lit(s: str) -> str:
+    return json.dumps(s)   # a JSON string is a valid Lark string literal
+
+
+def _json_rule(name: str, schema: dict, strict: bool) -> str:
+    s = dict(closed(schema))
+    s["x-guidance"] = dict(JSON_OPTIONS, lenient=not strict)
+    return f"{name}: %json {json.dumps(s, ensure_ascii=False)}\n"
+
+
+def _functions(tools: list[dict]) -> list[tuple[str, dict, bool]]:
+    out = []
+    for t in tools:
+        fn = t.get("function") or {}
+        params = fn.get("parameters")
+        out.append((fn["name"], params if isinstance(params, dict) else {"type": "object", "properties": {}},
+                    fn.get("strict") is True))
+    return out
+
+
+NL, OPEN_NL, CLOSE_NL = _lit("\n"), _lit(OPEN + "\n"), _lit("\n" + CLOSE)
+NEXT_CALL, END_NAMED = _lit("\n" + OPEN + "\n"), _lit("}\n" + CLOSE)
+
+
+def _call_rules(fns, parallel: bool) -> str:
+    rules = "call: " + " | ".join(f"c{i}" for i in range(len(fns))) + "\n"
+    for i, (name, params, strict) in enumerate(fns):
+        head = _lit('{"name": ' + json.dumps(name) + ', "arguments": ')
+        rules += f'c{i}: {head} a{i} "}}"\n' + _json_rule(f"a{i}", params, strict)
+    return rules + (f"more: ({NEXT_CALL} call {CLOSE_NL})*\n" if parallel else 'more: ""\n')
+
+
+def build(tools: list[dict], choice, fmt: dict | None, parallel: bool = False) -> m.Constraint | None:
+    """The request's constraint, or None when generation is free. `choice` is the parsed
+    tool_choice (none | auto | required | {"function": {"name": ...}}), `fmt` the
+    response_format ({"type": "json_object"} or {"type": "json_schema", "schema": ...});
+    `parallel` lets a call be followed by more calls instead of the end of the answer."""
+    fns = _functions(tools) if tools and choice != "none" else []
+    if isinstance(choice, dict) and fns:          # the prompt ends inside the named call
+        _, params, strict = next(f for f in fns if f[0] == choice["function"]["name"])
+        return m.Constraint(grammar=f"start: args {END_NAMED}\n"
+                            + _json_rule("args", params, strict))
+    if choice == "required" and fns:              # the prompt ends with the opener
+        return m.Constraint(grammar=f"start: call {CLOSE_NL} more\n" + _call_rules(fns, parallel))
+    if fmt is not None:
+        schema = fmt.get("schema") if fmt.get("type") == "json_schema" else ANY_OBJECT
+        body = _json_rule("fmt", schema if isinstance(schema, dict) else {}, fmt.get("strict") is True)
+        if fns:                                   # auto: the answer is the format or calls
+            return m.Constraint(grammar=f"start: fmt | {OPEN_NL} call {CLOSE_NL} more\n" + body + _call_rules(fns, parallel))
+        return m.Constraint(grammar="start: fmt\n" + body)
+    if fns:                                       # auto: free text until the model opens a call
+        return m.Constraint(grammar=f"start: {NL} call {CLOSE_NL} more\n" + _call_rules(fns, parallel),
+                            trigger=OPEN.encode())
+    return None
+
+
+class Checker:
+    """Builds a request's constraint and validates it against the model's vocabulary,
+    remembering each grammar's verdict by its hash: an agent sends the same tools every
+    turn and pays once. A non-strict tool whose schema llguidance cannot use (after its
+    lenient mode) is called with any JSON object; a strict tool or a response_format it
+    cannot use is the client's error."""
+
+    def __init__(self, tok: llguidance.LLTokenizer, size: int = 256):
+        self.tok, self.size = tok, size
+        self.seen: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def verdict(self, grammar: str) -> str:
+        """'' when usable, else llguidance's error."""
+        key = hashlib.sha1(grammar.encode()).hexdigest()
+        err = self.seen.get(key)
+        if err is None:
+            err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), self.tok)
+            self.seen[key] = "" if err.startswith("WARNING") else err
+            while len(self.seen) > self.size:
+                self.seen.popitem(last=False)
+        self.seen.move_to_end(key)
+        return self.seen[key]
+
+    def make(self, tools: list[dict], choice, fmt: dict | None, parallel: bool = False) -> m.Constraint | None:
+        c = build(tools, choice, fmt, parallel)
+        if c is None:
+            return None
+        err = self.verdict(c.grammar)
+        if err and tools:
+            fixed = []
+            for t in tools:
+                fn = t.get("function") or {}
+                if fn.get("strict") is not True and isinstance(fn.get("parameters"), dict) \
+                        and self.verdict(build([t], "required", None).grammar):
+                    t = {**t, "function": {**fn, "parameters": ANY_OBJECT}}
+                fixed.append(t)
+            c = build(fixed, choice, fmt, parallel)
+            err = self.verdict(c.grammar)
+        if err:
+            raise GrammarError("response_format" if fmt is not None else "tools",
+                               f"the schema cannot be used to constrain the answer: {err.splitlines()[0]}")
+        return c
