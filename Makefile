@@ -26,6 +26,7 @@ serve: model
 	PATH="$(CURDIR)/$(BIN):$$PATH" RICORDO_KV_DISK_DIR="$${RICORDO_KV_DISK_DIR:-$$HOME/.cache/ricordo/kv}" $(BIN)/honcho start
 
 test: model
+	@$(BIN)/python -c "from procs.inference.runtime import describe; print(describe())"
 	$(BIN)/python -m pytest -x -q -rsx tests
 
 # the whole stress campaign (issue 7; `make test` runs its fast subset); numbers in bench/RESULTS-stress.md

@@ -21,6 +21,12 @@ VECTORS = os.path.join(DATA, "smollm2-135m-q4_1.json")
 MAX_CONTEXT = 8192
 
 
+def pytest_report_header(config):
+    """Which compute dtype the servers of this run use: the suite must pass in both."""
+    from procs.inference.runtime import describe
+    return describe()
+
+
 def default_model_path() -> str:
     from common.config import Settings
     from common.models import DEFAULT_FILE

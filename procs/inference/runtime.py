@@ -1,6 +1,7 @@
 """Choosing device, dtype and threads, and building the model from settings."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -34,6 +35,14 @@ def pick_dtype(name: str, device: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r} (auto, bf16, f32, f16)")
     return DTYPES[name]
+
+
+def describe() -> str:
+    """The device and dtype the environment's settings pick (what `make test` runs in)."""
+    device = pick_device(os.environ.get("RICORDO_DEVICE", "auto"))
+    dtype = os.environ.get("RICORDO_DTYPE", "auto")
+    picked = str(pick_dtype(dtype, device)).replace("torch.", "")
+    return f"ricordo compute dtype: {picked} on {device} (RICORDO_DTYPE={dtype}; f32 or bf16 choose)"
 
 
 def build(s: Settings) -> tuple[Llama, int, float]:
