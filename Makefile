@@ -29,7 +29,7 @@ test: model
 	@$(BIN)/python -c "from procs.inference.runtime import describe; print(describe())"
 	$(BIN)/python -m pytest -x -q -rsx tests
 
-# the whole stress campaign (issue 7; `make test` runs its fast subset); numbers in bench/RESULTS-stress.md
+# the whole stress campaign (`make test` runs its fast subset); numbers in bench/RESULTS-stress.md
 stress: model
 	RICORDO_STRESS=full $(BIN)/python -m pytest -q -rxs tests/stress
 

@@ -1,4 +1,4 @@
-"""Disk KV cache benchmark (issue 4).
+"""Disk KV cache benchmark.
 
 1. Time to first token (TTFT) of a conversation's next turn: earlier turns of about 2000, 4000
    and 8000 tokens (the last one is capped so that prompt + new turn + answer fit the model's

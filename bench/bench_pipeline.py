@@ -1,4 +1,4 @@
-"""Pipeline overhead benchmark (issue 3): what the four processes and HTTP add on top of the
+"""Pipeline overhead benchmark: what the four processes and HTTP add on top of the
 model's own work, and how many plain HTTP requests the web tier serves.
 
 (a) time to first token of a short, fully cached chat prompt (max_tokens 1, temperature 0,

@@ -40,7 +40,7 @@ class Settings:
     max_body_bytes: int = opt(8 << 20, "largest accepted request body", ("web",))
     max_queue: int = opt(64, "requests waiting for the model beyond which new ones get 429", ("renderer",))
     log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
-    # disk KV cache (names and defaults of the seed)
+    # disk KV cache (names and defaults of ds4-server, docs/kv-format.md)
     kv_disk_dir: str = opt("", "checkpoint directory; empty disables the disk cache")
     kv_disk_space_mb: int = opt(8192, "disk budget for checkpoints")
     kv_cache_min_tokens: int = opt(512, "smallest checkpoint / reusable prefix in tokens")

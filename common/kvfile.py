@@ -1,4 +1,4 @@
-"""The `.kv` checkpoint file (docs/KV-FORMAT.md): 48-byte header, u32 text length + cache text,
+"""The `.kv` checkpoint file (docs/kv-format.md): 48-byte header, u32 text length + cache text,
 the DENS payload (13 u32, fingerprint, token ids, logits, per layer K rows then V rows, xxh3-64
 of the preceding payload bytes), then an optional KTM section. All integers little-endian.
 The header's payload byte count is exact; only hits (offset 12) and last-used (offset 32) ever

@@ -1,6 +1,6 @@
-"""When checkpoints are written and which entries are evicted (docs/KV-FORMAT.md sections 6
+"""When checkpoints are written and which entries are evicted (docs/kv-format.md sections 6
 and 8). Pure arithmetic on token counts and file metadata: no I/O, no settings; the caller
-passes the option values (seed defaults: min 512, cold max 30000, align 2048, trim 32,
+passes the option values (ds4-server's defaults: min 512, cold max 30000, align 2048, trim 32,
 continued interval 10000)."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def cold_position(n_prompt: int, reused: int, min_tokens: int, cold_max: int,
 def prefix_position(prefix_end: int, n_prompt: int, reused: int, min_tokens: int,
                     cold_max: int) -> int | None:
     """The extra cold checkpoint at the end of the leading system/tool-schema part (section 6,
-    beyond the seed): prefix_end itself (no alignment or trim: the part ends at a rendered
+    beyond ds4-server): prefix_end itself (no alignment or trim: the part ends at a rendered
     message boundary), when the prompt qualifies for a cold save (min_tokens <= n_prompt <=
     cold_max), the part alone reaches min_tokens, and it lies beyond `reused`."""
     if not min_tokens <= n_prompt <= cold_max:

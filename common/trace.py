@@ -1,7 +1,7 @@
 """The --trace file: cache decisions, one line each, appended by every process.
 
 Lines are written with one O_APPEND write each, so lines of several processes interleave
-whole. Formats of the seed: `KV cache: hit for sha1=<sha1> (loaded <n> tokens)` and
+whole. Formats of ds4-server (docs/kv-format.md): `KV cache: hit for sha1=<sha1> (loaded <n> tokens)` and
 `KV cache: miss for sha1=<sha1> (reason: ...)`.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`ricordo cache`: look at and tidy a disk KV cache directory (docs/KV-FORMAT.md).
+"""`ricordo cache`: look at and tidy a disk KV cache directory (docs/kv-format.md).
 
 Subcommands ls, inspect, verify, rm, prune, stats; `--json` on each for scripts. The
 directory comes from the server's own `--kv-disk-dir` / RICORDO_KV_DISK_DIR. Safe while

@@ -5,7 +5,7 @@
     | tokens u32[n]| logits f32[vocab]| layer 0: K[n,KV,D] V[n,KV,D]  | layer 1: K V | ...
     +--------------+------------------+-------------------------------+--------------------
     bytes [0, body_bytes(n)) are exactly the .kv payload between the fingerprint and the
-    checksum (KV-FORMAT.md section 4), so the persister writes them out as they are.
+    checksum (docs/kv-format.md section 4), so the persister writes them out as they are.
 
     FREE --inference copies rows, sends SaveCheckpoint--> BUSY --persister writes the file,
     sends SlotFreed--> FREE

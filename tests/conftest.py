@@ -1,5 +1,5 @@
 """Shared fixtures: the default model (loaded once per compute dtype), its text side, and
-llama.cpp's reference vectors (tests/data, a copy of /work/shared/test-vectors).
+llama.cpp's reference vectors (tests/data; see its README for how they were made).
 
 Loading is lazy: a test module that uses none of these fixtures never imports torch.
 """

@@ -3,7 +3,7 @@ import pytest
 from common.policy import (cold_position, continued_frontiers, frontier, lru_victims,
                            prefix_position, should_evict_save)
 
-D = dict(min_tokens=512, cold_max=30000, align=2048, trim=32)     # the seed's defaults
+D = dict(min_tokens=512, cold_max=30000, align=2048, trim=32)     # ds4-server's defaults (docs/kv-format.md)
 
 
 def test_cold_seed_example():

@@ -2,7 +2,7 @@
 
 Invariants: only `<40 hex>.kv` names are entries; an entry appears under its final name
 only complete (temp name, fsync, rename, directory fsync); the sum of entry sizes stays
-within the budget except for an entry that alone exceeds it (KV-FORMAT.md section 8).
+within the budget except for an entry that alone exceeds it (docs/kv-format.md section 8).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The renderer's view of the disk cache: the persister's index, the longest-prefix lookup,
-and the save plan of a request (KV-FORMAT.md sections 6 and 7).
+and the save plan of a request (docs/kv-format.md sections 6 and 7).
 
 Lookup costs one SHA1 pass over the prompt bytes: the running hash is copied at each text
 length that some entry has, and the copy's digest is looked up by name.

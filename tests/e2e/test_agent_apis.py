@@ -46,7 +46,7 @@ def tag() -> str:
 def server(tmp_path_factory):
     kv = tmp_path_factory.mktemp("kv")
     # min 32: the two APIs' conversations share ~218 tokens of tools prefix and differ in ~60,
-    # so the first one's session is evict-saved when the second replaces it (KV-FORMAT.md 6)
+    # so the first one's session is evict-saved when the second replaces it (docs/kv-format.md section 6)
     env = {"RICORDO_KV_DISK_DIR": str(kv), "RICORDO_KV_CACHE_MIN_TOKENS": "32",
            "RICORDO_KV_CACHE_BOUNDARY_ALIGN_TOKENS": "32", "RICORDO_KV_CACHE_BOUNDARY_TRIM_TOKENS": "4"}
     with Server(env=env, name="ricordo-agents") as srv:

@@ -1,4 +1,4 @@
-"""The stress campaign (issue 7): crashes, disk faults, corrupted checkpoints, bad HTTP input,
+"""The stress campaign: crashes, disk faults, corrupted checkpoints, bad HTTP input,
 load, security.
 
 Scale: `RICORDO_STRESS=full` runs the whole campaign (`make stress`); by default (`make test`)
