@@ -42,6 +42,7 @@ KV_NUMPY = {KV_F32: np.float32, KV_BF16: np.uint16, KV_F16: np.float16}   # what
 KTM_MAGIC, KTM_VERSION = b"KTM", 1
 KTM_MAX_ID, KTM_MAX_BLOCK = 256, 16 << 20
 
+SUFFIX = ".kv"
 _ENTRY_RE = re.compile(r"[0-9a-f]{40}\.kv")
 
 
@@ -112,7 +113,12 @@ def payload_size(n_tokens: int, g: Geometry) -> int:
 
 
 def entry_name(text: bytes) -> str:
-    return hashlib.sha1(text).hexdigest() + ".kv"
+    return hashlib.sha1(text).hexdigest() + SUFFIX
+
+
+def entry_path(directory: str, sha1: str) -> str:
+    """Where the checkpoint whose cache text has this SHA1 lives: the one spelling of it."""
+    return os.path.join(directory, sha1 + SUFFIX)
 
 
 def is_entry_name(name: str) -> bool:

@@ -87,10 +87,3 @@ def exposition() -> tuple[bytes, str]:
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
     return generate_latest(registry), CONTENT_TYPE_LATEST
-
-
-def process_exit(pid: int) -> None:
-    """Drop a dead process's live gauges."""
-    if isinstance(M, Metrics):
-        from prometheus_client import multiprocess
-        multiprocess.mark_process_dead(pid)

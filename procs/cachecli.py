@@ -88,11 +88,11 @@ class Cache:
             raise CacheError(f"cannot list {self.dir}: {e.strerror}") from None
 
     def path(self, sha1: str) -> str:
-        return os.path.join(self.dir, sha1 + ".kv")
+        return kvfile.entry_path(self.dir, sha1)
 
     def resolve(self, arg: str) -> str:
         """A full sha1 or a unique prefix of >= 6 hex digits (a trailing .kv is allowed)."""
-        p = arg.strip().lower().removesuffix(".kv")
+        p = arg.strip().lower().removesuffix(kvfile.SUFFIX)
         if len(p) < 6 or len(p) > 40 or any(c not in "0123456789abcdef" for c in p):
             raise CacheError(f"{arg!r} is not a sha1 or a prefix of at least 6 hex digits")
         hits = [n for n in self.names() if n.startswith(p)]
@@ -102,8 +102,9 @@ class Cache:
             raise CacheError(f"prefix {arg} is ambiguous: {', '.join(h[:12] for h in hits[:5])}...")
         return hits[0]
 
-    def row(self, sha1: str) -> dict:
-        """The ls fields of one entry (header and text only); `error` set for an unsound one."""
+    def row(self, sha1: str) -> dict | None:
+        """The ls fields of one entry (header and text only); `error` set for an unsound one;
+        None for an entry gone meanwhile."""
         r = dict(sha1=sha1, tokens=None, reason=None, hits=None, created=None, last_used=None,
                  size=None, preview=None, error=None)
         try:
@@ -132,7 +133,7 @@ class Cache:
 
     def remove(self, sha1: str) -> bool:
         """Unlink exactly `<sha1>.kv`; False when it was already gone."""
-        assert kvfile.is_entry_name(sha1 + ".kv")
+        assert kvfile.is_entry_name(sha1 + kvfile.SUFFIX)
         try:
             os.unlink(self.path(sha1))
             return True
@@ -249,7 +250,7 @@ def cmd_verify(c: Cache, a, out):
         return {"checked": len(results), "bad": bad, "results": results}, 1 if bad else 0
     for r in results:
         print(f"OK   {r['sha1']}" if r["ok"] else f"BAD  {r['sha1']}: {'; '.join(r['problems'])}", file=out)
-    print(f"{len(results)} checked, {len(bad)} bad" + (": " + " ".join(b + ".kv" for b in bad) if bad else ""),
+    print(f"{len(results)} checked, {len(bad)} bad" + (": " + " ".join(b + kvfile.SUFFIX for b in bad) if bad else ""),
           file=out)
     return None, 1 if bad else 0
 

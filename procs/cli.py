@@ -108,8 +108,12 @@ def _proc(name: str):
     return start
 
 
-COMMANDS = {"generate": _generate, "fetch-model": _fetch,
-            "cache": lambda argv: __import__("importlib").import_module("procs.cachecli").main(argv),
+def _cache(argv) -> int:
+    from procs import cachecli     # imported on use: the other commands do not need it
+    return cachecli.main(argv)
+
+
+COMMANDS = {"generate": _generate, "fetch-model": _fetch, "cache": _cache,
             "renderer": _proc("renderer"), "inference": _proc("inference"),
             "persister": _proc("persister")}
 

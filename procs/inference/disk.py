@@ -9,7 +9,6 @@ the session; any failure leaves the session empty and says why.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import time
 import warnings
@@ -104,7 +103,7 @@ class Disk:
         sess.truncate(0)
         if not self.s.kv_disk_dir or not _SHA1.fullmatch(sha1):
             raise RestoreError("no cache directory" if not self.s.kv_disk_dir else "bad sha1")
-        path = os.path.join(self.s.kv_disk_dir, sha1 + ".kv")
+        path = kvfile.entry_path(self.s.kv_disk_dir, sha1)
         try:
             e = kvfile.read(path, expect_geometry=self.geometry, expect_fingerprint=self.model.fingerprint)
         except FileNotFoundError:

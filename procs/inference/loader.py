@@ -41,9 +41,6 @@ class ModelConfig:
     tied_embeddings: bool
     quant_bits: int
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
 
 @dataclass
 class LoadedWeights:

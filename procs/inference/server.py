@@ -8,6 +8,7 @@ aligned chunks, samples and streams Token events back.
 from __future__ import annotations
 
 import collections
+import os
 import time
 import uuid
 
@@ -78,10 +79,10 @@ class Worker:
                                  boot=self.boot, seq=seq,
                                  jobs=((self.running,) if self.running else ()) + tuple(j.rid for j in self.jobs))
 
-    def drain(self, timeout_ms: float = 0) -> None:
-        """Read every waiting message: jobs queue up, cancels are noted, pings answered,
-        freed slots released."""
-        timeout_ms = int(timeout_ms * 1000) if isinstance(timeout_ms, float) else timeout_ms
+    def drain(self, wait_s: float = 0.0) -> None:
+        """Read every waiting message, waiting up to wait_s for the first: jobs queue up,
+        cancels are noted, pings answered, freed slots released."""
+        timeout_ms = int(wait_s * 1000)
         while self.pull.poll(timeout_ms):
             timeout_ms = 0
             msg = self.dec.decode(self.pull.recv())
@@ -108,7 +109,7 @@ class Worker:
 
     def run(self) -> int:
         while not self.stop:
-            self.drain(100)
+            self.drain(0.1)
             while self.jobs and not self.stop:
                 job = self.jobs.popleft()
                 if job.rid in self.cancelled:
@@ -132,7 +133,7 @@ class Worker:
         if self.disk.enabled and len(live) >= self.s.kv_cache_min_tokens and live.logits is not None:
             if self.disk.save(live, len(live), live.logits, kvfile.SHUTDOWN):
                 self.log.info("shutdown checkpoint of %d tokens handed to the persister", len(live))
-        self.send_persister(m.InferenceBye(pid=__import__("os").getpid()))
+        self.send_persister(m.InferenceBye(pid=os.getpid()))
         self.disk.close()
         self.log.info("stopping")
 

@@ -7,6 +7,7 @@ few seconds, so a restarted renderer catches up), bumps hits, evicts, and frees 
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 import zmq
@@ -55,7 +56,7 @@ class Persister:
             for sha1 in list(self.store.index):   # ids of earlier runs, for the files written next
                 self.remember(self.store.read_ktm(sha1, s.tool_memory_max_ids).items())
         self.sent_version, self.last_snapshot = -1, 0.0
-        self.send(self.to_inference, m.PersisterHello(pid=__import__("os").getpid()))
+        self.send(self.to_inference, m.PersisterHello(pid=os.getpid()))
         if self.store:
             log.info("cache dir %s: %d entries, budget %d MB%s", s.kv_disk_dir, len(self.store.index),
                      s.kv_disk_space_mb, "" if self.store.usable else " (unusable: cache off)")

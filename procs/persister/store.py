@@ -54,7 +54,7 @@ class Store:
             return False
 
     def entry_path(self, sha1: str) -> str:
-        return os.path.join(self.dir, sha1 + ".kv")
+        return kvfile.entry_path(self.dir, sha1)
 
     def scan(self) -> None:
         """Rebuild the index from the directory; remove temp files a crash left behind."""
@@ -71,7 +71,7 @@ class Store:
             path = os.path.join(self.dir, name)
             try:
                 meta = kvfile.read_meta(path)
-                if meta.sha1 + ".kv" != name:
+                if meta.sha1 + kvfile.SUFFIX != name:
                     raise kvfile.KVFileError("name mismatch", "text SHA1 differs from the file name")
             except (kvfile.KVFileError, OSError) as e:
                 self.log.warning("ignoring unsound entry %s: %s", name, e)

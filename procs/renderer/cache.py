@@ -7,22 +7,10 @@ length that some entry has, and the copy's digest is looked up by name.
 from __future__ import annotations
 
 import hashlib
-import os
-from dataclasses import dataclass
 
 from common import kvfile
 from common import messages as m
 from common.policy import cold_position, prefix_position, should_evict_save
-
-
-@dataclass
-class Choice:
-    source: str                  # live | disk | cold
-    ids: list[int]               # effective prompt ids (for disk: stored ids unknown here -> the full ids)
-    reuse: int                   # tokens reused (live kept / restored)
-    restore: m.IndexEntry | None = None
-    suffix: list[int] | None = None
-    miss: str = ""               # why the disk had nothing (for the trace)
 
 
 class DiskIndex:
@@ -70,7 +58,7 @@ class DiskIndex:
         best = -1
         for e in cands:
             try:
-                text = kvfile.read_text(os.path.join(self.s.kv_disk_dir, e.sha1 + ".kv"))
+                text = kvfile.read_text(kvfile.entry_path(self.s.kv_disk_dir, e.sha1))
             except (OSError, kvfile.KVFileError):
                 continue
             k = 0

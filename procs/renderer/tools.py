@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import secrets
 
 from common import kvfile
@@ -90,7 +89,7 @@ class ToolMemory:
                     continue
                 self.files_read.add(sha1)
                 try:
-                    ktm = kvfile.read_ktm(os.path.join(self.kv_dir, sha1 + ".kv"), self.max_ids)
+                    ktm = kvfile.read_ktm(kvfile.entry_path(self.kv_dir, sha1), self.max_ids)
                 except (OSError, kvfile.KVFileError):
                     continue
                 self.disk.update(ktm)
