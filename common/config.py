@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 ALL = ("generate", "web", "renderer", "inference", "persister", "cache")
 
 
-def opt(default, help: str, procs=ALL, choices=None):
-    return field(default=default, metadata={"help": help, "procs": procs, "choices": choices})
+def opt(default, help: str, procs=ALL, choices=None, aliases=()):
+    """aliases: older environment names still read when the main one is unset."""
+    return field(default=default, metadata={"help": help, "procs": procs, "choices": choices, "aliases": aliases})
 
 
 def _default_cache_root() -> str:
@@ -24,7 +25,8 @@ def _default_cache_root() -> str:
 class Settings:
     # model
     model: str = opt("", "GGUF file or Hugging Face dir; empty = the default model in --models-dir")
-    models_dir: str = opt("", "where the default model is fetched (default ~/.cache/ricordo/models)")
+    models_dir: str = opt("", "where the default model is fetched (default ~/.cache/ricordo/models)",
+                          aliases=("RICORDO_MODELS",))
     dtype: str = opt("auto", "compute dtype", ("generate", "inference"), ("auto", "bf16", "f32", "f16"))
     device: str = opt("auto", "torch device (auto = cuda when present)", ("generate", "inference"))
     threads: int = opt(0, "torch CPU threads (0 = torch default)", ("generate", "inference"))
@@ -79,7 +81,7 @@ class Settings:
 
     @staticmethod
     def _env(f, env: str):
-        raw = os.environ.get(env)
+        raw = next((os.environ[e] for e in (env, *f.metadata["aliases"]) if e in os.environ), None)
         if raw is None:
             return f.default
         if f.type in ("bool", bool):
@@ -98,6 +100,18 @@ class Settings:
     def load(cls, proc: str, argv=None) -> "Settings":
         return cls.from_args(cls.parser(proc).parse_args(argv))
 
+    @classmethod
+    def markdown(cls) -> str:
+        """The options as a Markdown table (README's is this text; a test keeps them equal)."""
+        rows = ["| flag | environment | default | processes | what |", "|---|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            env = "`RICORDO_" + f.name.upper() + "`" + "".join(f" (or `{a}`)" for a in f.metadata["aliases"])
+            default = f.default if f.default != "" else '""'
+            procs = "all" if f.metadata["procs"] == ALL else ", ".join(f.metadata["procs"])
+            what = f.metadata["help"] + (f" ({' / '.join(f.metadata['choices'])})" if f.metadata["choices"] else "")
+            rows.append(f"| `--{f.name.replace('_', '-')}` | {env} | `{default}` | {procs} | {what} |")
+        return "\n".join(rows) + "\n"
+
     # derived values: computed here so no second place spells them
     def models_path(self) -> str:
-        return self.models_dir or os.environ.get("RICORDO_MODELS") or os.path.join(_default_cache_root(), "models")
+        return self.models_dir or os.path.join(_default_cache_root(), "models")

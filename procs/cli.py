@@ -1,4 +1,4 @@
-"""`ricordo` command: generate, fetch-model, and the process entry points."""
+"""`ricordo` command: generate, fetch-model, cache, config, and the process entry points."""
 from __future__ import annotations
 
 import sys
@@ -108,12 +108,22 @@ def _proc(name: str):
     return start
 
 
+def _config(argv) -> int:
+    """Every option as a Markdown table (the README's table is this output)."""
+    from common.config import Settings
+    if argv not in ([], ["--markdown"]):
+        print("usage: ricordo config [--markdown]", file=sys.stderr)
+        return 2
+    sys.stdout.write(Settings.markdown())
+    return 0
+
+
 def _cache(argv) -> int:
     from procs import cachecli     # imported on use: the other commands do not need it
     return cachecli.main(argv)
 
 
-COMMANDS = {"generate": _generate, "fetch-model": _fetch, "cache": _cache,
+COMMANDS = {"generate": _generate, "fetch-model": _fetch, "cache": _cache, "config": _config,
             "renderer": _proc("renderer"), "inference": _proc("inference"),
             "persister": _proc("persister")}
 

@@ -106,3 +106,23 @@ def test_unknown_command(capsys):
     assert main([]) == 2
     assert main(["nope"]) == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_readme_options_table_is_the_settings(capsys):
+    """README's option table is `ricordo config --markdown`: a setting added, renamed or given
+    another default without the README fails here."""
+    assert main(["config", "--markdown"]) == 0
+    table = capsys.readouterr().out
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    block = readme.split("<!-- options: begin -->\n", 1)[1].split("<!-- options: end -->", 1)[0]
+    assert block == table
+    assert "`RICORDO_KV_DISK_DIR`" in table and "(or `RICORDO_MODELS`)" in table
+
+
+def test_models_alias(monkeypatch, tmp_path):
+    from common.config import Settings
+    monkeypatch.delenv("RICORDO_MODELS_DIR", raising=False)
+    monkeypatch.setenv("RICORDO_MODELS", str(tmp_path))
+    assert Settings.load("renderer", []).models_path() == str(tmp_path)
+    monkeypatch.setenv("RICORDO_MODELS_DIR", str(tmp_path / "x"))
+    assert Settings.load("renderer", []).models_path() == str(tmp_path / "x")
