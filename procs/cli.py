@@ -108,6 +108,39 @@ def _proc(name: str):
     return start
 
 
+# gunicorn's arguments for the web process; the HTTP limits answer 414/431 before the app
+GUNICORN = ["-k", "asgi", "--asgi-loop", "uvloop", "--graceful-timeout", "3", "--no-control-socket",
+            "--limit-request-line", "8190", "--limit-request-fields", "100",
+            "--limit-request-field_size", "8190"]
+
+
+def _web(argv) -> int:
+    """The web process: its options are flags here, handed to gunicorn's workers as RICORDO_*
+    (gunicorn owns their argv); then this process becomes gunicorn (same pid, so a process
+    manager's signals reach it)."""
+    import dataclasses
+    import os
+    import shutil
+    from common.config import Settings
+    ap = Settings.parser("web", "ricordo web")
+    ap.add_argument("--host", default=os.environ.get("RICORDO_HOST", "127.0.0.1"),
+                    help="bind address [env RICORDO_HOST]")
+    ap.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")), help="HTTP port [env PORT]")
+    ap.add_argument("--workers", type=int, default=int(os.environ.get("WEB_CONCURRENCY", "1")),
+                    help="gunicorn worker processes [env WEB_CONCURRENCY]")
+    a = ap.parse_args(argv)
+    s = Settings.from_args(a)
+    env = dict(os.environ)
+    for f in dataclasses.fields(Settings):
+        if "web" in f.metadata["procs"]:
+            v = getattr(s, f.name)
+            env["RICORDO_" + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+    env["WEB_CONCURRENCY"] = str(a.workers)
+    exe = os.path.join(os.path.dirname(sys.executable), "gunicorn")
+    exe = exe if os.path.exists(exe) else shutil.which("gunicorn") or "gunicorn"
+    os.execve(exe, [exe, *GUNICORN, "--bind", f"{a.host}:{a.port}", "procs.frontend.app:get_app()"], env)
+
+
 def _config(argv) -> int:
     """Every option as a Markdown table (the README's table is this output)."""
     from common.config import Settings
@@ -123,7 +156,7 @@ def _cache(argv) -> int:
     return cachecli.main(argv)
 
 
-COMMANDS = {"generate": _generate, "fetch-model": _fetch, "cache": _cache, "config": _config,
+COMMANDS = {"generate": _generate, "fetch-model": _fetch, "cache": _cache, "config": _config, "web": _web,
             "renderer": _proc("renderer"), "inference": _proc("inference"),
             "persister": _proc("persister")}
 
