@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st   # noqa: 
 
 from common.config import Settings                                       # noqa: E402
 from procs.frontend.app import create_app                                # noqa: E402
-from tests.test_frontend import FakeBackend                             # noqa: E402
+from tests.procs.frontend.fakes import FakeBackend                       # noqa: E402
 
 MODEL = "test-model"
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models",

@@ -12,8 +12,8 @@ import pytest
 
 from common import kvfile
 from procs import cachecli
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 G = kvfile.Geometry(ctx_size=256, chunk_size=16, kv_capacity=256, n_layers=2, kv_heads=2,
                     head_dim=8, vocab_size=64, kv_dtype=kvfile.KV_F16)
 T0 = 1_700_000_000

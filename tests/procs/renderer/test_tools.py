@@ -4,7 +4,7 @@ call ids, JSON for the rest, the trace counts), and ToolMemory (LRU bound, ids f
 cache files' KTM sections).
 
 The KTM reader itself (stops at the first malformed entry, keeps those before it; the count
-limit) is covered in tests/test_kvfile.py and not repeated here.
+limit) is covered in tests/common/test_kvfile.py and not repeated here.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from common.messages import (Accepted, Delta, Failed, Finished, SamplingParams, 
 from procs.frontend import app as app_mod
 from procs.frontend.app import create_app
 from procs.frontend.schema import UNTIL_FULL
+from tests.procs.frontend.fakes import MODEL, FakeBackend, Resp
 
-MODEL = "test-model"
 USAGE = Usage(prompt_tokens=70, completion_tokens=12, cached_tokens=50)
 CID = "call_" + "ab" * 16
 TOOLU = "toolu_" + "ab" * 16
@@ -40,38 +40,6 @@ def length_script(rid, req):
             Finished(rid=rid, finish_reason="length", usage=USAGE)]
 
 
-class FakeBackend:
-    """ZmqBackend's API; `script(rid, req)` lists the events (a float = sleep, None = hang)."""
-
-    def __init__(self, script):
-        self.script, self.requests, self.cancelled = script, [], []
-
-    async def submit(self, req):
-        self.requests.append(req)
-        for ev in self.script(req.rid, req):
-            if ev is None:
-                await asyncio.Event().wait()
-            elif isinstance(ev, float):
-                await asyncio.sleep(ev)
-            else:
-                yield ev
-
-    async def cancel(self, rid):
-        self.cancelled.append(rid)
-
-    async def health(self, timeout=1.0):
-        raise AssertionError("not used")
-
-
-class R:
-    def __init__(self, r: httpx.Response):
-        self.status_code, self.headers, self.text = r.status_code, r.headers, r.text
-
-    @property
-    def json(self):
-        return json.loads(self.text)
-
-
 def make(script=text_script, **settings):
     be = FakeBackend(script)
     app = create_app(be, Settings(model_id=MODEL, **settings))
@@ -79,7 +47,7 @@ def make(script=text_script, **settings):
     def post(path, body=None, headers=None, method="POST", content=None):
         async def go():
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as hc:
-                return R(await hc.request(method, path, json=body, content=content, headers=headers))
+                return Resp(await hc.request(method, path, json=body, content=content, headers=headers))
         return asyncio.run(go())
     return be, post, app
 
@@ -101,7 +69,7 @@ def events(text: str) -> list[tuple[str | None, dict | str]]:
     return out
 
 
-def oa_error(r: R, status: int, param="?", code="?") -> dict:
+def oa_error(r: Resp, status: int, param="?", code="?") -> dict:
     assert r.status_code == status, r.text
     e = r.json["error"]
     assert set(e) == {"message", "type", "param", "code"} and e["message"], e
@@ -112,7 +80,7 @@ def oa_error(r: R, status: int, param="?", code="?") -> dict:
     return e
 
 
-def an_error(r: R, status: int, etype: str) -> str:
+def an_error(r: Resp, status: int, etype: str) -> str:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
     d = r.json

@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from procs.cli import main
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 
 # name -> (extra argv, text expected in the error line); --model is the default model unless
 # given. BAD run as processes; BAD_IN_PROCESS through procs.cli.main (no interpreter + torch
@@ -113,7 +112,8 @@ def test_readme_options_table_is_the_settings(capsys):
     another default without the README fails here."""
     assert main(["config", "--markdown"]) == 0
     table = capsys.readouterr().out
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
     block = readme.split("<!-- options: begin -->\n", 1)[1].split("<!-- options: end -->", 1)[0]
     assert block == table
     assert "`RICORDO_KV_DISK_DIR`" in table and "(or `RICORDO_MODELS`)" in table

@@ -13,68 +13,13 @@ import zmq.asyncio
 
 from common.config import Settings
 from common.messages import (Accepted, CancelRequest, Delta, Failed, Finished, GenerateRequest, Health,
-                             PingRequest, RendererIn, SamplingParams, TokenLogprob, Usage)
+                             PingRequest, RendererIn, SamplingParams)
 from common.sockets import RENDERER, address
 from procs.frontend import app as app_mod
 from procs.frontend.app import create_app
 from procs.frontend.backend import NOT_ANSWERING, ZmqBackend
 from procs.frontend.schema import UNTIL_FULL
-
-MODEL = "test-model"
-USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=0)
-
-
-def lp(tok: str, v: float, top=()) -> TokenLogprob:
-    return TokenLogprob(token=tok, bytes=tuple(tok.encode()), logprob=v, top=tuple(top))
-
-
-def ok_script(rid, req):
-    return [Accepted(rid=rid, prompt_tokens=7),
-            Delta(rid=rid, text="Hel", logprobs=(lp("Hel", -0.5, [("Hel", (72, 101, 108), -0.5), ("Hi", (72, 105), -1.5)]),)),
-            Delta(rid=rid, text="lo", logprobs=(lp("lo", -0.25, [("lo", (108, 111), -0.25)]),)),
-            Delta(rid=rid, text="!", logprobs=(lp("!", float("-inf")),)),
-            Finished(rid=rid, finish_reason="stop", usage=USAGE)]
-
-
-class FakeBackend:
-    """ZmqBackend's API; `script(rid, req)` lists the events (a float = sleep that long,
-    None = wait forever)."""
-
-    def __init__(self, script=ok_script, health=None):
-        self.script = script
-        self.requests: list[GenerateRequest] = []
-        self.cancelled: list[str] = []
-        self.closed: list[str] = []
-        self.health_result = health or Health(rid="x", ready=True, model=MODEL, n_ctx=2048, device="cpu",
-                                              dtype="float32")
-
-    async def submit(self, req):
-        self.requests.append(req)
-        try:
-            for ev in self.script(req.rid, req):
-                if ev is None:
-                    await asyncio.Event().wait()
-                elif isinstance(ev, float):
-                    await asyncio.sleep(ev)
-                else:
-                    yield ev
-        finally:
-            self.closed.append(req.rid)
-
-    async def cancel(self, rid):
-        self.cancelled.append(rid)
-
-    async def health(self, timeout=1.0):
-        return self.health_result
-
-
-class Resp:
-    def __init__(self, r: httpx.Response):
-        self.status_code, self.headers, self.text = r.status_code, r.headers, r.text
-
-    @property
-    def json(self):
-        return json.loads(self.text)
+from tests.procs.frontend.fakes import MODEL, USAGE, FakeBackend, Resp, ok_script
 
 
 class Client:

@@ -1,0 +1,72 @@
+"""The frontend's test double: FakeBackend, ZmqBackend's API answering from a script (no
+renderer, no model), and the default script; used by the frontend's unit tests and the HTTP
+fuzz of tests/stress."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from common.messages import Accepted, Delta, Finished, GenerateRequest, Health, TokenLogprob, Usage
+
+MODEL = "test-model"
+USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=0)
+
+
+def lp(tok: str, v: float, top=()) -> TokenLogprob:
+    return TokenLogprob(token=tok, bytes=tuple(tok.encode()), logprob=v, top=tuple(top))
+
+
+def ok_script(rid, req):
+    """"Hello!" in three pieces with logprobs (the last one -inf), then stop."""
+    return [Accepted(rid=rid, prompt_tokens=7),
+            Delta(rid=rid, text="Hel", logprobs=(lp("Hel", -0.5, [("Hel", (72, 101, 108), -0.5), ("Hi", (72, 105), -1.5)]),)),
+            Delta(rid=rid, text="lo", logprobs=(lp("lo", -0.25, [("lo", (108, 111), -0.25)]),)),
+            Delta(rid=rid, text="!", logprobs=(lp("!", float("-inf")),)),
+            Finished(rid=rid, finish_reason="stop", usage=USAGE)]
+
+
+class FakeBackend:
+    """ZmqBackend's API; `script(rid, req)` lists the events (a float = sleep that long,
+    None = wait forever). It records the requests submitted, the rids cancelled and the rids
+    whose event stream was closed (ended, or left by the app); health() answers
+    `health_result`."""
+
+    def __init__(self, script=ok_script, health=None):
+        self.script = script
+        self.requests: list[GenerateRequest] = []
+        self.cancelled: list[str] = []
+        self.closed: list[str] = []
+        self.health_result = health or Health(rid="x", ready=True, model=MODEL, n_ctx=2048, device="cpu",
+                                              dtype="float32")
+
+    async def submit(self, req):
+        self.requests.append(req)
+        try:
+            for ev in self.script(req.rid, req):
+                if ev is None:
+                    await asyncio.Event().wait()
+                elif isinstance(ev, float):
+                    await asyncio.sleep(ev)
+                else:
+                    yield ev
+        finally:
+            self.closed.append(req.rid)
+
+    async def cancel(self, rid):
+        self.cancelled.append(rid)
+
+    async def health(self, timeout=1.0):
+        return self.health_result
+
+
+class Resp:
+    """An httpx response read to the end: status_code, headers, text, and json."""
+
+    def __init__(self, r: httpx.Response):
+        self.status_code, self.headers, self.text = r.status_code, r.headers, r.text
+
+    @property
+    def json(self):
+        return json.loads(self.text)
