@@ -121,7 +121,7 @@ def test_hexdump_shows_text(tmp_path):
 
 def test_checksum_mismatch(tmp_path):
     blob, _ = make()
-    p0 = 52 + len(TEXT)
+    p0 = kf.TEXT_OFFSET + len(TEXT)
     for off in (p0 + 70, len(blob) - 20, len(blob) - 1):
         bad = bytearray(blob)
         bad[off] ^= 0x01
@@ -141,7 +141,7 @@ def reason_of(blob, **kw):
 def test_distinct_reasons():
     g = geom()
     blob, _ = make(g)
-    p0 = 52 + len(TEXT)
+    p0 = kf.TEXT_OFFSET + len(TEXT)
     patched = lambda off, b: blob[:off] + b + blob[off + len(b):]   # noqa: E731
     reasons = {
         "bad magic": reason_of(patched(0, b"KVX")),
@@ -305,7 +305,7 @@ def test_verify(tmp_path):
 def test_a_flipped_fingerprint_byte_is_corruption_not_a_foreign_model():
     g = geom()
     blob, _ = make(g)
-    p0 = 52 + len(TEXT)
+    p0 = kf.TEXT_OFFSET + len(TEXT)
     off = p0 + kf.PAYLOAD_HEAD_SIZE + 3
     flipped = blob[:off] + bytes([blob[off] ^ 0x80]) + blob[off + 1:]
     assert reason_of(flipped, expect_fingerprint=FP) == "checksum mismatch"

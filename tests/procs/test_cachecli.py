@@ -32,8 +32,8 @@ def make(d, text, reason, now, n, ktm=None, seed=0) -> str:
     kv = lambda: rng.standard_normal((G.n_layers, n, G.kv_heads, G.head_dim)).astype(np.float16)  # noqa: E731
     data = kvfile.pack(text, rng.integers(0, G.vocab_size, n), rng.standard_normal(G.vocab_size),
                        kv(), kv(), G, bytes(range(16)), 4, reason, ktm=ktm, now=now)
-    sha1 = kvfile.entry_name(text)[:-3]
-    with open(os.path.join(d, sha1 + ".kv"), "wb") as f:
+    sha1 = kvfile.entry_name(text)[:-len(kvfile.SUFFIX)]
+    with open(kvfile.entry_path(d, sha1), "wb") as f:
         f.write(data)
     return sha1
 

@@ -18,7 +18,8 @@ from common.sockets import RENDERER, address
 from procs.frontend import app as app_mod
 from procs.frontend.app import create_app
 from procs.frontend.backend import NOT_ANSWERING, ZmqBackend
-from procs.frontend.schema import UNTIL_FULL
+from procs.frontend.schema import MAX_STOPS, UNTIL_FULL
+from procs.frontend.shape import LOGPROB_FLOOR
 from tests.procs.frontend.fakes import MODEL, USAGE, FakeBackend, Resp, ok_script
 
 
@@ -128,7 +129,7 @@ def test_chat_logprobs_whole():
     assert content[0] == {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108],
                           "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
                                            {"token": "Hi", "logprob": -1.5, "bytes": [72, 105]}]}
-    assert content[2]["logprob"] == -9999.0
+    assert content[2]["logprob"] == LOGPROB_FLOOR
     assert be.requests[0].logprobs and be.requests[0].sampling.top_logprobs == 2
 
 
@@ -215,7 +216,7 @@ def test_completions_whole_and_logprobs():
     assert d["object"] == "text_completion" and d["id"].startswith("cmpl-")
     ch = d["choices"][0]
     assert ch["text"] == "Hello!" and ch["index"] == 0 and ch["finish_reason"] == "stop"
-    assert ch["logprobs"] == {"tokens": ["Hel", "lo", "!"], "token_logprobs": [-0.5, -0.25, -9999.0],
+    assert ch["logprobs"] == {"tokens": ["Hel", "lo", "!"], "token_logprobs": [-0.5, -0.25, LOGPROB_FLOOR],
                               "top_logprobs": [{"Hel": -0.5, "Hi": -1.5}, {"lo": -0.25}, {}],
                               "text_offset": [0, 3, 5]}
     assert d["usage"]["total_tokens"] == 10
@@ -317,7 +318,7 @@ BAD_CHAT = [
     (chat_body(max_tokens=True), "max_tokens", None),
     (chat_body(seed=1.5), "seed", None),
     (chat_body(seed=1 << 70), "seed", None),
-    (chat_body(stop=["a", "b", "c", "d", "e"]), "stop", None),
+    (chat_body(stop=[str(i) for i in range(MAX_STOPS + 1)]), "stop", None),
     (chat_body(stop=5), "stop", None),
     (chat_body(logprobs="yes"), "logprobs", None),
     (chat_body(logprobs=True, top_logprobs=21), "top_logprobs", None),

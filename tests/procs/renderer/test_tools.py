@@ -9,7 +9,6 @@ limit) is covered in tests/common/test_kvfile.py and not repeated here.
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import numpy as np
@@ -205,6 +204,11 @@ def convo(calls, content=""):
             *({"role": "tool", "tool_call_id": c["id"], "content": "sunny"} for c in calls)]
 
 
+def call_block(body: str) -> bytes:
+    """A call block as the model samples it: the tags around one line."""
+    return f"{OPEN}\n{body}\n{CLOSE}".encode()
+
+
 def memory(tmp_path=None, max_ids=100):
     return t.ToolMemory(max_ids, str(tmp_path) if tmp_path else "")
 
@@ -259,7 +263,7 @@ def test_unknown_id_renders_from_json():
 
 def test_mixed_known_and_unknown_ids_render_from_json():
     mem = memory()
-    mem.remember([ID1], b"<tool_call>\nexact\n</tool_call>")
+    mem.remember([ID1], call_block("exact"))
     stats = t.Rendered()
     calls = [call(ID1), call(ID2, arguments='{"city": "Bergen"}')]
     out = t.prepare_messages(convo(calls), TOOLS, mem, (), stats)
@@ -270,8 +274,8 @@ def test_mixed_known_and_unknown_ids_render_from_json():
 
 def test_known_ids_of_different_blocks_render_from_json():
     mem = memory()
-    mem.remember([ID1], b"<tool_call>\none\n</tool_call>")
-    mem.remember([ID2], b"<tool_call>\ntwo\n</tool_call>")
+    mem.remember([ID1], call_block("one"))
+    mem.remember([ID2], call_block("two"))
     stats = t.Rendered()
     t.prepare_messages(convo([call(ID1), call(ID2)]), TOOLS, mem, (), stats)
     assert counts(stats) == (0, 0, 2, 0)
@@ -286,7 +290,7 @@ def test_replay_off_renders_from_json_without_unknown_ids():
 
 def test_stats_add_up_over_several_assistant_messages():
     mem = memory()
-    mem.remember([ID1], b"<tool_call>\none\n</tool_call>")
+    mem.remember([ID1], call_block("one"))
     msgs = convo([call(ID1)]) + convo([call(ID2)])[2:] + convo([call(ID1)])[2:]
     stats = t.Rendered()
     t.prepare_messages(msgs, TOOLS, mem, (), stats)
@@ -330,14 +334,14 @@ def write_kv(d, text: bytes, ktm: dict[str, bytes]) -> str:
     z = np.zeros((GEOM.n_layers, n, GEOM.kv_heads, GEOM.head_dim), dtype=np.float32)
     blob = kf.pack(text, np.arange(n, dtype=np.uint32), np.zeros(GEOM.vocab_size, dtype=np.float32),
                    z, z, GEOM, bytes(16), 0, kf.SHUTDOWN, ktm=ktm)
-    sha1 = kf.entry_name(text)[:-3]
-    with open(os.path.join(d, sha1 + ".kv"), "wb") as f:
+    sha1 = kf.entry_name(text)[:-len(kf.SUFFIX)]
+    with open(kf.entry_path(str(d), sha1), "wb") as f:
         f.write(blob)
     return sha1
 
 
 def test_ids_from_the_cache_files_ktm_sections(tmp_path):
-    block1, block2 = b"<tool_call>\n{one}\n</tool_call>", b"<tool_call>\n{two}\n</tool_call>"
+    block1, block2 = call_block("{one}"), call_block("{two}")
     s1 = write_kv(tmp_path, b"prompt " + block1 + b" more", {ID1: block1})
     s2 = write_kv(tmp_path, b"other " + block2, {ID2: block2})
     (tmp_path / ("f" * 40 + ".kv")).write_bytes(b"KVC garbage")    # unsound: skipped
