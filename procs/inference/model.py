@@ -100,7 +100,7 @@ class Llama:
         are: linears on inputs zero-padded to pad_to rows (a GEMM's row depends on M, not on
         where in the block the row sits), attention on padded blocks of EXACT_Q query rows
         against keys padded to a multiple of pad_to (masked), logits one row at a time.
-        Row-wise ops (norms, RoPE, SiLU) do not depend on T (checked by tests/test_model.py).
+        Row-wise ops (norms, RoPE, SiLU) do not depend on T (checked by tests/procs/inference/test_model.py).
         """
         c = self.cfg
         T, S = ids.shape[0], pos + ids.shape[0]

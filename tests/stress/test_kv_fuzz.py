@@ -3,7 +3,7 @@ byte changes in the header, text, payload head, fingerprint, token ids, logits, 
 checksum and KTM section, appended bytes).
 
 Unit level: files written by the product's own path (Disk.save -> shared-memory slot ->
-Store.write, as tests/test_cache_units.py does) for a small fake model, then mutated and
+Store.write, as tests/procs/persister/test_store.py does) for a small fake model, then mutated and
 restored with procs.inference.disk.Disk.restore. Every outcome must be a RestoreError with a
 reason, or a restored state equal to the original (tokens, logits, K, V bit for bit).
 End to end: a few real checkpoints mutated on disk; the request succeeds by a cold prefill
