@@ -136,7 +136,8 @@ def test_tool_ids_travel_both_ways(renderer):
     r.tool_memory.remember(["call_mine"], b"<tool_call>mine</tool_call>")
     r.on_event(m.PersisterState(boot="p-1", index=m.IndexSnapshot(entries=(), version=1),
                                 tool_ids=(("call_theirs", b"<tool_call>theirs</tool_call>"),)))
-    assert r.tool_memory.get("call_theirs") == b"<tool_call>theirs</tool_call>"
+    assert r.tool_memory.get("call_theirs") is None            # not one of ours...
+    assert r.tool_memory.from_disk("call_theirs", ()) == b"<tool_call>theirs</tool_call>"   # ...but known
     assert not r.out.of("persister", m.ToolIds)          # the first persister heard knows its own
     r.on_event(m.PersisterState(boot="p-2", index=m.IndexSnapshot(entries=(), version=0)))
     sent = dict(e for t in r.out.of("persister", m.ToolIds) for e in t.entries)

@@ -487,9 +487,12 @@ class Renderer:
         """The persister's whole state: after its start (scan done) or our RendererHello."""
         self.index.update(ev.index)
         if self.tool_memory is not None:
-            for i, block in ev.tool_ids:
-                if self.tool_memory.get(i) is None:
-                    self.tool_memory.remember([i], block)
+            # the persister's ids (its files' KTM sections, and what earlier renderers told it)
+            # join the ids read from those files, so a replay counts as one from disk
+            known = self.tool_memory.disk
+            known.update(ev.tool_ids)
+            while len(known) > self.tool_memory.max_ids:
+                known.pop(next(iter(known)))
             if self.persister_boot and ev.boot != self.persister_boot and self.tool_memory.mem:
                 # a restarted persister knows only the ids in its files: give it ours again
                 items = list(self.tool_memory.mem.items())
