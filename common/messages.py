@@ -147,7 +147,14 @@ class Health(msgspec.Struct, tag="health", frozen=True):
     holds: bool = False                 # the PingRequest's `about` is queued or running here
 
 
-WebOut = Accepted | Delta | Finished | Failed | Health
+class Waiting(msgspec.Struct, tag="waiting", frozen=True):
+    """The request is held until the server is ready (see Health.detail for what it lacks);
+    the web may commit to a 200 / start SSE and send keepalives meanwhile."""
+    rid: str
+    detail: str = ""
+
+
+WebOut = Accepted | Delta | Finished | Failed | Health | Waiting
 
 
 # ---------------------------------------------------------------------------------------
@@ -203,7 +210,12 @@ class PersisterHello(msgspec.Struct, tag="persister_hello", frozen=True):
     pid: int
 
 
-InferenceIn = Job | CancelJob | InferencePing | SlotFreed | PersisterHello
+class LiveQuery(msgspec.Struct, tag="live_query", frozen=True):
+    """A renderer that does not know the live session's token ids asks for them."""
+    rid: str = ""
+
+
+InferenceIn = Job | CancelJob | InferencePing | SlotFreed | PersisterHello | LiveQuery
 
 
 class Begun(msgspec.Struct, tag="begun", frozen=True):
@@ -270,7 +282,28 @@ class IndexSnapshot(msgspec.Struct, tag="index", frozen=True):
     version: int
 
 
-InferenceOut = Begun | Progress | Token | JobDone | JobError | InferenceHealth | IndexSnapshot
+class LiveState(msgspec.Struct, tag="live_state", frozen=True):
+    """inference -> renderer: the live session's token ids. rid "": the answer to a
+    LiveQuery (valid only when not busy: no job running or queued). rid of a Job: that job
+    was planned against another live session (the renderer's mirror was stale, e.g. this
+    process restarted since); it was not run, plan it again against `tokens`."""
+    rid: str
+    boot: str
+    tokens: tuple[int, ...]
+    busy: bool = False
+
+
+class PersisterState(msgspec.Struct, tag="persister_state", frozen=True):
+    """persister -> renderer, once its directory is scanned and whenever a RendererHello
+    asks: the index and every tool id it remembers. `boot` changes with every process, so
+    a renderer sees a restarted persister (and sends it its own tool ids again)."""
+    boot: str
+    index: IndexSnapshot
+    tool_ids: tuple[tuple[str, bytes], ...] = ()
+
+
+InferenceOut = (Begun | Progress | Token | JobDone | JobError | InferenceHealth | IndexSnapshot | LiveState
+                | PersisterState)
 
 
 # ---------------------------------------------------------------------------------------
@@ -313,7 +346,12 @@ class ToolIds(msgspec.Struct, tag="tool_ids", frozen=True):
     entries: tuple[tuple[str, bytes], ...]
 
 
-PersisterIn = SaveCheckpoint | Restored | Rejected | InferenceBye | ToolIds
+class RendererHello(msgspec.Struct, tag="renderer_hello", frozen=True):
+    """renderer -> persister: send me your PersisterState (repeated until one arrives)."""
+    boot: str
+
+
+PersisterIn = SaveCheckpoint | Restored | Rejected | InferenceBye | ToolIds | RendererHello
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -218,10 +218,21 @@ def _data(obj) -> falcon.asgi.SSEvent:
 
 
 class Models:
-    def __init__(self, model_id: str, created: int):
+    """The model list answers only when the server is ready (as /health), since clients and
+    harnesses take its first answer as the sign to send requests."""
+
+    def __init__(self, model_id: str, created: int, backend):
         self.card = {"id": model_id, "object": "model", "created": created, "owned_by": "ricordo"}
+        self.backend = backend
+
+    async def _ready(self) -> None:
+        h = await self.backend.health(timeout=HEALTH_TIMEOUT_S)
+        if not h.ready:
+            raise ApiError(503, f"the model is not ready yet ({h.detail})", code="model_not_ready",
+                           err_type="server_error", headers={"Retry-After": "1"})
 
     async def on_get(self, req, resp) -> None:
+        await self._ready()
         resp.data = shape.encode({"object": "list", "data": [self.card]})
         resp.content_type = falcon.MEDIA_JSON
 
@@ -229,6 +240,7 @@ class Models:
         if model_id != self.card["id"]:
             raise ApiError(404, f"The model `{model_id}` does not exist or you do not have access to it.",
                            param="model", code="model_not_found")
+        await self._ready()
         resp.data = shape.encode(self.card)
         resp.content_type = falcon.MEDIA_JSON
 
@@ -269,7 +281,7 @@ def create_app(backend, settings: Settings) -> falcon.asgi.App:
     app = App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     install(app)
-    models = Models(model_id, int(time.time()))
+    models = Models(model_id, int(time.time()), backend)
     app.add_route("/v1/chat/completions", Generate(backend, settings, model_id, "chat"))
     app.add_route("/v1/completions", Generate(backend, settings, model_id, "completion"))
     app.add_route("/v1/models", models)

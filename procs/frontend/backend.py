@@ -19,18 +19,20 @@ import zmq.asyncio
 
 from common.config import Settings
 from common.messages import (Accepted, CancelRequest, Delta, Failed, Finished, GenerateRequest, Health,
-                             PingRequest, WebOut)
+                             PingRequest, Waiting, WebOut)
 from common.sockets import RENDERER, address
 
 log = logging.getLogger("web")
 
 NOT_ANSWERING = "renderer not answering"
-SEND_TIMEOUT_S = 5.0        # no renderer connected this long: the request fails with 503
+SEND_TIMEOUT_S = 60.0       # no renderer connected this long: the request fails with 503
+WAIT_NOTICE_S = 1.0         # no renderer connected this long: the request is told it Waits
+NO_RENDERER_YET = "waiting for the renderer process"
 ACCEPT_TIMEOUT_S = 60.0     # the renderer answers Accepted/Failed right after tokenizing
 IDLE_CHECK_S = 15.0         # a request silent this long asks the renderer whether it still holds it
 IDLE_PING_TIMEOUT_S = 5.0
 
-Event = Accepted | Delta | Finished | Failed
+Event = Accepted | Delta | Finished | Failed | Waiting
 
 
 def new_rid() -> str:
@@ -48,9 +50,10 @@ class ZmqBackend:
 
     def __init__(self, settings: Settings, *, send_timeout: float = SEND_TIMEOUT_S,
                  accept_timeout: float = ACCEPT_TIMEOUT_S, idle_check: float = IDLE_CHECK_S,
-                 idle_ping_timeout: float = IDLE_PING_TIMEOUT_S):
+                 idle_ping_timeout: float = IDLE_PING_TIMEOUT_S, wait_notice: float = WAIT_NOTICE_S):
         self.settings = settings
         self.send_timeout = send_timeout
+        self.wait_notice = wait_notice
         self.accept_timeout = accept_timeout
         self.idle_check = idle_check
         self.idle_ping_timeout = idle_ping_timeout
@@ -153,16 +156,20 @@ class ZmqBackend:
 
     # -- the API --
     async def submit(self, req: GenerateRequest) -> AsyncIterator[Event]:
-        """Accepted, Delta..., then Finished or Failed, after which the iterator ends.
+        """Accepted, Delta..., then Finished or Failed, after which the iterator ends; Waiting
+        (any number, first) while no renderer is connected or the renderer is not ready.
         Leaving the iterator early (aclose, cancellation) cancels the request."""
         rid = req.rid
         self._ensure()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         done = False
+        send = asyncio.ensure_future(self._send(req))
         try:
             try:
-                await self._send(req)
+                if not (await asyncio.wait({send}, timeout=self.wait_notice))[0]:
+                    yield Waiting(rid=rid, detail=NO_RENDERER_YET)
+                await send
             except RendererUnavailable:
                 done = True
                 yield Failed(rid=rid, status=503, message="the model server is not available (no renderer)",
@@ -193,6 +200,8 @@ class ZmqBackend:
                 if done:
                     return
         finally:
+            if not send.done():
+                send.cancel()
             self._queues.pop(rid, None)
             if not done and rid not in self._cancelled:
                 self._send_nowait(CancelRequest(rid=rid))

@@ -62,6 +62,7 @@ class Worker:
         self.jobs: collections.deque[m.Job] = collections.deque()
         self.cancelled: set[str] = set()
         self.keep: dict[str, int] = {}   # rid -> live tokens to keep when it is cancelled
+        self.sent_back: dict[str, None] = {}   # rids of jobs sent back once (the next run goes cold)
         self.boot = uuid.uuid4().hex
         self.running = ""                # rid of the job being executed
         self.stop = StopFlag()
@@ -99,6 +100,9 @@ class Worker:
                 self.disk.slot_freed(msg.slot, msg.seq)
             elif isinstance(msg, m.PersisterHello):
                 self.disk.all_free()
+            elif isinstance(msg, m.LiveQuery):
+                self.send(m.LiveState(rid="", boot=self.boot, tokens=tuple(self.live.tokens),
+                                      busy=bool(self.running or self.jobs)))
             else:
                 self.send(self.health(msg.rid, msg.seq))
 
@@ -116,6 +120,8 @@ class Worker:
                     self.cancelled.discard(job.rid)
                     self.send(m.JobDone(rid=job.rid, reason="cancelled", live=tuple(self.live.tokens)))
                     continue
+                if self.send_back(job):
+                    continue
                 self.running = job.rid
                 try:
                     self.execute(job)
@@ -127,6 +133,20 @@ class Worker:
                 self.running = ""
         self.shutdown()
         return 0
+
+    def send_back(self, job: m.Job) -> bool:
+        """A job planned to keep live tokens this session does not hold (the renderer's
+        mirror is stale: this process restarted, or the mirror was lost) goes back once with
+        the real ids, to be planned again (a disk checkpoint may serve it), not run cold."""
+        r, live = job.reuse, self.live.tokens
+        if job.restore or not r or (r <= len(live) and list(job.ids[:r]) == live[:r]) or job.rid in self.sent_back:
+            return False
+        self.sent_back[job.rid] = None
+        if len(self.sent_back) > MAX_CANCELLED:
+            self.sent_back.pop(next(iter(self.sent_back)))
+        self.log.info("job %s: planned against another live session; sent back to be planned again", job.rid)
+        self.send(m.LiveState(rid=job.rid, boot=self.boot, tokens=tuple(live)))
+        return True
 
     def shutdown(self) -> None:
         live = self.live

@@ -2,13 +2,16 @@
 
 Knows files; never runs the model. It writes `.kv` files from shared-memory slots that
 inference filled, keeps the index and sends it to the renderer (on every change and every
-few seconds, so a restarted renderer catches up), bumps hits, evicts, and frees slots.
+few seconds), bumps hits, evicts, and frees slots. Its whole state (index and tool ids) goes
+to the renderer once the directory is scanned and whenever a renderer asks (RendererHello),
+so no start-up order leaves a renderer without it.
 """
 from __future__ import annotations
 
 import collections
 import os
 import time
+import uuid
 
 import zmq
 
@@ -56,7 +59,9 @@ class Persister:
             for sha1 in list(self.store.index):   # ids of earlier runs, for the files written next
                 self.remember(self.store.read_ktm(sha1, s.tool_memory_max_ids).items())
         self.sent_version, self.last_snapshot = -1, 0.0
+        self.boot = uuid.uuid4().hex
         self.send(self.to_inference, m.PersisterHello(pid=os.getpid()))
+        self.send_state()       # scanned: a running renderer learns of us (and re-sends its tool ids)
         if self.store:
             log.info("cache dir %s: %d entries, budget %d MB%s", s.kv_disk_dir, len(self.store.index),
                      s.kv_disk_space_mb, "" if self.store.usable else " (unusable: cache off)")
@@ -101,7 +106,7 @@ class Persister:
     def handle(self, msg) -> None:
         if isinstance(msg, m.SaveCheckpoint):
             self.save(msg)
-        elif self.store is None:
+        elif self.store is None and not isinstance(msg, m.RendererHello):
             return
         elif isinstance(msg, m.Restored):
             self.store.bump(msg.sha1)
@@ -110,6 +115,8 @@ class Persister:
                 self.store.remove(msg.sha1, f"rejected on restore: {msg.reason}")
         elif isinstance(msg, m.ToolIds) and not self.s.disable_exact_tool_replay:
             self.remember(msg.entries)
+        elif isinstance(msg, m.RendererHello):
+            self.send_state()
 
     def remember(self, entries) -> None:
         for i, block in entries:
@@ -167,6 +174,12 @@ class Persister:
                 except BufferError:   # a view still alive after a failure; GC frees the map
                     pass
             self.send(self.to_inference, m.SlotFreed(slot=msg.slot, seq=msg.seq))
+
+    def send_state(self) -> None:
+        snap = self.store.snapshot() if self.store else m.IndexSnapshot(entries=(), version=0)
+        self.send(self.to_renderer, m.PersisterState(boot=self.boot, index=snap, tool_ids=tuple(self.tool_ids.items())))
+        if self.store:
+            self.sent_version, self.last_snapshot = self.store.version, time.monotonic()
 
     def publish(self) -> None:
         if self.store is None:

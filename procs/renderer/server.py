@@ -4,6 +4,9 @@ Knows text and tokens, nothing of tensors. It renders and tokenizes prompts, hol
 FIFO queue of requests for the model, mirrors the live session's token ids (inference
 reports them after every job) to plan reuse, and turns Token events into text deltas,
 stop strings and usage for the web worker that asked (its ROUTER identity is the route).
+Readiness: what it learns from other processes (the persister's index and tool ids, the
+live session's ids, inference's health) it asks for whenever it does not know it, and a
+request that arrives meanwhile is held, unrendered, never planned against "empty".
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import collections
 import hashlib
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import zmq
@@ -32,8 +36,12 @@ from procs.renderer.prompt import (PromptError, TextStream, plan_reuse, prefix_b
 HEALTH_FRESH_S = 5.0      # inference counts as up if it said anything this recently
 JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (lost job)
 # Inference answers pings between prefill chunks and tokens, so a process heard when a job
-# started and silent this long since is dead or hung: its job is failed sooner.
+# started and silent this long since is dead or hung: its job is failed sooner. Only a job it
+# has begun: one it has not may wait in the socket for a restarting process (which lists it
+# in its first ping answer, or the job is failed then as lost), however long its model loads.
 INFERENCE_SILENCE_S = 20.0
+READY_WAIT_S = 120.0      # a request held this long while the server is not ready fails (503)
+HELLO_EVERY_S = 2.0       # RendererHello repeats until the persister's state arrives
 
 
 @dataclass
@@ -44,7 +52,7 @@ class Pending:
     full: list[int]
     ids: list[int] = field(default_factory=list)
     cached: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0          # set by Begun: inference has begun the job
     admitted: float = 0.0
     first_token: bool = False
     gen_bytes: list[int] = field(default_factory=list)   # cumulative bytes after each generated token
@@ -87,7 +95,7 @@ class Renderer:
         self.queue: collections.deque[Pending] = collections.deque()
         self.current: Pending | None = None
         self.current_since = 0.0
-        self.live: list[int] = []
+        self.live: list[int] | None = None     # None: not known (ask inference: LiveQuery)
         self.inference: m.InferenceHealth | None = None
         self.last_heard = 0.0
         self.heard_at_dispatch = False
@@ -95,8 +103,13 @@ class Renderer:
         self.last_ping = 0.0
         self.ping_seq = 0
         self.dispatch_seq = 0   # pings sent before the current job; answers to later ones list it
+        self.boot = uuid.uuid4().hex
+        self.persister_boot = ""                # "": no PersisterState yet (index unknown)
+        self.last_hello = 0.0
+        self.held: collections.deque[tuple[bytes, m.GenerateRequest, float]] = collections.deque()
+        self.unready_since: float | None = time.monotonic()
         self.stop = StopFlag()
-        log.info("ready: %s, context %d, %d tokens in vocabulary", self.model_id, self.n_ctx,
+        log.info("started: %s, context %d, %d tokens in vocabulary", self.model_id, self.n_ctx,
                  self.text.vocab_size)
 
     # -- plumbing --
@@ -139,12 +152,15 @@ class Renderer:
             self.last_ping = now
             self.ping_seq += 1
             self.to_inference(m.InferencePing(rid="renderer", seq=self.ping_seq))
+            if self.live is None and self.current is None:
+                self.to_inference(m.LiveQuery())
+        self.keep_ready(now)
         cur = self.current
         if cur is None:
             return
         if now - self.current_since > JOB_SILENCE_S:
             self.lose_current(f"no word from inference about it for {JOB_SILENCE_S:.0f} s")
-        elif self.heard_at_dispatch and now - self.last_heard > INFERENCE_SILENCE_S:
+        elif self.heard_at_dispatch and cur.prompt_tokens and now - self.last_heard > INFERENCE_SILENCE_S:
             self.lose_current(f"the inference process has not answered for {INFERENCE_SILENCE_S:.0f} s")
 
     def lose_current(self, why: str) -> None:
@@ -155,7 +171,7 @@ class Renderer:
         self.fail(cur, 503, f"the inference process failed this request ({why})", code="inference_unavailable",
                   err_type="server_error")
         self.to_inference(m.CancelJob(rid=cur.req.rid))     # in case it is alive after all
-        self.live = []          # unknown now; inference re-checks every plan anyway
+        self.live = None        # unknown now: asked for again before the next plan
         self.current = None
         self.dispatch()
 
@@ -167,18 +183,19 @@ class Renderer:
             self.log.warning("undecodable request from web: %s", e)
             return
         if isinstance(msg, m.PingRequest):
-            fresh = self.inference is not None and time.monotonic() - self.last_heard < HEALTH_FRESH_S
+            lacks = self.lacks()
             i = self.inference
-            self.to_web(route, m.Health(rid=msg.rid, ready=fresh, model=self.model_id, n_ctx=self.n_ctx,
+            self.to_web(route, m.Health(rid=msg.rid, ready=not lacks, model=self.model_id, n_ctx=self.n_ctx,
                                         device=i.device if i else "", dtype=i.dtype if i else "",
-                                        detail="" if fresh else "inference process not answering yet",
-                                        holds=bool(msg.about) and self.holds(msg.about)))
+                                        detail=lacks, holds=bool(msg.about) and self.holds(msg.about)))
         elif isinstance(msg, m.CancelRequest):
             self.cancel(msg.rid)
         else:
             self.admit(route, msg)
 
     def admit(self, route: bytes, req: m.GenerateRequest) -> None:
+        if self.hold(route, req):
+            return
         try:
             m.validate_sampling(req.sampling)
             stats = tools.Rendered()
@@ -217,9 +234,14 @@ class Renderer:
                                   req.parallel_tool_calls)
 
     def holds(self, rid: str) -> bool:
-        return (self.current is not None and self.current.req.rid == rid) or any(p.req.rid == rid for p in self.queue)
+        return ((self.current is not None and self.current.req.rid == rid) or any(p.req.rid == rid for p in self.queue)
+                or any(h[1].rid == rid for h in self.held))
 
     def cancel(self, rid: str) -> None:
+        for h in list(self.held):
+            if h[1].rid == rid:
+                self.held.remove(h)
+                return
         for p in list(self.queue):
             if p.req.rid == rid:
                 self.queue.remove(p)
@@ -229,6 +251,8 @@ class Renderer:
             self.to_inference(m.CancelJob(rid=rid))
 
     def dispatch(self) -> None:
+        if self.lacks():         # planned only against known state (queued requests wait)
+            return
         if self.current is not None or not self.queue:
             return
         p = self.queue.popleft()
@@ -285,11 +309,19 @@ class Renderer:
         if isinstance(ev, m.IndexSnapshot):   # from the persister
             self.index.update(ev)
             return
+        if isinstance(ev, m.PersisterState):
+            self.on_persister_state(ev)
+            return
         self.last_heard = time.monotonic()
+        if isinstance(ev, m.LiveState):
+            self.on_live_state(ev)
+            return
         if isinstance(ev, m.InferenceHealth):
             if self.inference is not None and ev.boot != self.inference.boot:
                 self.log.warning("the inference process restarted")
-                self.live = []
+                self.live = None        # its session is not the one mirrored: ask
+                if self.current is None:
+                    self.to_inference(m.LiveQuery())
             self.inference = ev
             # pings and jobs travel in one pipe: an answer to a ping sent after the job that
             # does not list it means the process that has the job is gone (it finished: its
@@ -402,6 +434,101 @@ class Renderer:
             self.to_web(p.route, m.Failed(rid=p.req.rid, status=status, message=message, code=code,
                                           err_type=err_type))
             p.finished = True
+
+    # -- readiness: what other processes know, asked for until known --
+    def lacks(self) -> str:
+        """What the renderer does not know yet to serve correctly ("" when ready)."""
+        missing = []
+        if self.inference is None or time.monotonic() - self.last_heard >= HEALTH_FRESH_S:
+            missing.append("the inference process (starting: loading its model)" if self.inference is None
+                           else "the inference process (not answering)")
+        elif self.live is None:
+            missing.append("the live session's token ids from inference")
+        if self.s.kv_disk_dir and not self.persister_boot:
+            missing.append("the disk cache index from the persister")
+        return "waiting for " + " and ".join(missing) if missing else ""
+
+    def hold(self, route: bytes, req: m.GenerateRequest) -> bool:
+        """Not ready: keep the request unrendered (rendering needs the index for tool-call
+        replay, planning needs the live ids) and tell the web it waits."""
+        lacks = self.lacks()
+        if not lacks:
+            return False
+        if len(self.held) + len(self.queue) >= self.s.max_queue:
+            self.to_web(route, m.Failed(rid=req.rid, status=429, message="too many requests are waiting; retry later",
+                                        code="queue_full"))
+            return True
+        self.held.append((route, req, time.monotonic()))
+        self.to_web(route, m.Waiting(rid=req.rid, detail=lacks))
+        return True
+
+    def keep_ready(self, now: float) -> None:
+        """Ask for what is missing; admit held requests once ready; fail what waited too long."""
+        if self.s.kv_disk_dir and not self.persister_boot and now - self.last_hello > HELLO_EVERY_S:
+            self.last_hello = now
+            self.send_persister(m.RendererHello(boot=self.boot))
+        lacks = self.lacks()
+        if not lacks:
+            if self.unready_since is not None:
+                self.log.info("ready (after %.1f s)", now - self.unready_since)
+                self.unready_since = None
+            while self.held and not self.lacks():
+                route, req, _ = self.held.popleft()
+                self.admit(route, req)
+            self.dispatch()
+            return
+        if self.unready_since is None:
+            self.unready_since = now
+            self.log.warning("not ready: %s", lacks)
+        while self.held and now - self.held[0][2] > READY_WAIT_S:
+            route, req, _ = self.held.popleft()
+            self.to_web(route, m.Failed(rid=req.rid, status=503, message=f"the server is not ready ({lacks})",
+                                        code="not_ready", err_type="server_error"))
+        if now - self.unready_since > READY_WAIT_S:
+            for p in [p for p in self.queue if now - max(p.admitted, self.unready_since) > READY_WAIT_S]:
+                self.queue.remove(p)
+                self.fail(p, 503, f"the server is not ready ({lacks})", code="not_ready")
+
+    def send_persister(self, msg) -> None:
+        try:
+            self.to_persister.send(self.enc.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass   # the persister is not reading; what matters is asked again
+
+    def on_persister_state(self, ev: m.PersisterState) -> None:
+        """The persister's whole state: after its start (scan done) or our RendererHello."""
+        self.index.update(ev.index)
+        if self.tool_memory is not None:
+            # the persister's ids (its files' KTM sections, and what earlier renderers told it)
+            # join the ids read from those files, so a replay counts as one from disk
+            known = self.tool_memory.disk
+            known.update(ev.tool_ids)
+            while len(known) > self.tool_memory.max_ids:
+                known.pop(next(iter(known)))
+            if self.persister_boot and ev.boot != self.persister_boot and self.tool_memory.mem:
+                # a restarted persister knows only the ids in its files: give it ours again
+                items = list(self.tool_memory.mem.items())
+                for k in range(0, len(items), 1000):
+                    self.send_persister(m.ToolIds(entries=tuple(items[k:k + 1000])))
+        if ev.boot != self.persister_boot:
+            self.log.info("persister %s: %d index entries, %d tool ids", ev.boot[:8], len(ev.index.entries),
+                          len(ev.tool_ids))
+        self.persister_boot = ev.boot
+        self.keep_ready(time.monotonic())
+
+    def on_live_state(self, ev: m.LiveState) -> None:
+        cur = self.current
+        if ev.rid and cur is not None and ev.rid == cur.req.rid:
+            # inference did not run the job: it was planned against a session it does not hold
+            self.log.warning("job %s: planned against a stale live session; planning it again", ev.rid)
+            self.live = list(ev.tokens)
+            self.current = None
+            self.queue.appendleft(cur)
+            self.dispatch()
+        elif not ev.rid and not ev.busy and cur is None and self.live is None \
+                and (self.inference is None or ev.boot == self.inference.boot):
+            self.live = list(ev.tokens)
+            self.keep_ready(time.monotonic())
 
 
 def run(argv=None) -> int:

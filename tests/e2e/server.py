@@ -119,7 +119,8 @@ class Server:
             cmd += ["-c", ",".join(f"{k}={v}" for k, v in self.concurrency.items())]
         return cmd
 
-    def start(self) -> "Server":
+    def start(self, wait: bool = True) -> "Server":
+        """Start honcho; with `wait`, return once /health is 200 (else at once)."""
         if self.running():
             raise ServerError("already started")
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -129,6 +130,8 @@ class Server:
         self._known = {}
         self.proc = subprocess.Popen(self.command(), cwd=REPO, env=self.env(), stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        if not wait:
+            return self
         try:
             self.wait_healthy(self.start_timeout)
         except BaseException:

@@ -292,6 +292,22 @@ class Cluster:
                 time.sleep(0.3)
         raise ClusterError(f"/health not 200 after {timeout:.0f} s (last: {last})\n" + self.tail())
 
+    def wait_answering(self, timeout: float = START_TIMEOUT_S) -> float:
+        """Until the web answers anything (any status of GET /health): the first moment a
+        client can send; the seconds that took."""
+        t0 = time.monotonic()
+        with httpx.Client(timeout=5.0) as c:
+            while time.monotonic() - t0 < timeout:
+                gone = self.dead()
+                if gone:
+                    raise ClusterError(f"{gone} exited before the web answered\n" + self.tail())
+                try:
+                    c.get(self.base_url + "/health")
+                    return time.monotonic() - t0
+                except httpx.HTTPError:
+                    time.sleep(0.01)
+        raise ClusterError(f"the web did not answer in {timeout:.0f} s\n" + self.tail())
+
     def wait_log(self, name: str, pattern: str, since: int = 0, timeout: float = 60.0) -> re.Match:
         """The first match of `pattern` in the log of `name` after byte offset `since`."""
         rx = re.compile(pattern)
