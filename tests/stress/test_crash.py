@@ -4,7 +4,7 @@ persister start, and that requests succeed again.
 
 honcho stops everything when one process exits, so these tests use the shared `cluster`
 (each Procfile process a separate subprocess on one run directory). After a restart the next
-request goes out the moment the web answers anything (issue 13), not once /health is 200:
+request goes out the moment the web answers anything, not once /health is 200:
 a request that comes before the server is ready must wait for it, not fail or miss.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The web side of readiness (issue 13): /v1/models answers only when the server is ready, a
+"""The web side of readiness: /v1/models answers only when the server is ready, a
 request told to wait (Waiting) starts its stream with keepalives instead of an error, and
 the ZeroMQ backend waits (bounded) for a renderer that is not there yet."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Readiness (issue 13) one process at a time: the renderer holds requests until it knows
+"""Readiness one process at a time: the renderer holds requests until it knows
 the persister's index, inference's health and live session; a job planned against a stale
 live session comes back and is planned again; the persister hands its whole state to any
 renderer that asks. The renderer and persister are the real classes on a temp run dir,
