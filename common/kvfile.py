@@ -17,6 +17,8 @@ from dataclasses import astuple, dataclass, field
 import numpy as np
 import xxhash
 
+from common import geometry
+
 MAGIC, VERSION = b"KVC", 1
 HEADER_SIZE = 48
 HEADER_FMT = "<3sBBBBxIII4xQQQ"            # 4x = reserved bytes 20..23, x = reserved byte 7
@@ -55,19 +57,7 @@ class KVFileError(ValueError):
         self.reason, self.detail = reason, detail
 
 
-@dataclass(frozen=True, kw_only=True)
-class Geometry:
-    """Payload fields 2..6 and 8..12 (field 7, the token count, belongs to the checkpoint)."""
-    ctx_size: int
-    chunk_size: int
-    kv_capacity: int
-    sliding_window: int = 0
-    compressed_capacity: int = 0
-    n_layers: int
-    kv_heads: int
-    head_dim: int
-    vocab_size: int
-    kv_dtype: int
+Geometry = geometry.Geometry   # re-exported: the format's readers and writers take it from here
 
 
 @dataclass

@@ -42,7 +42,8 @@ def address(s: Settings, name: str) -> str:
     return "ipc://" + os.path.join(run_dir(s), name + ".sock")
 
 
-RENDERER = "renderer"          # ROUTER, bound by the renderer; web workers connect
-INFERENCE_JOBS = "inference"   # PULL, bound by inference; the renderer pushes jobs
-RENDERER_EVENTS = "events"     # PULL, bound by the renderer; inference pushes events
-PERSISTER = "persister"       # PULL, bound by the persister; inference pushes saves
+# Every socket and who is on it; the messages each carries: common/messages.py
+RENDERER = "renderer"          # ROUTER, bound by the renderer; every web worker's DEALER connects (RendererIn / WebIn)
+INFERENCE_JOBS = "inference"   # PULL, bound by inference; the renderer and the persister push (InferenceIn)
+RENDERER_EVENTS = "events"     # PULL, bound by the renderer; inference and the persister push (EventsIn)
+PERSISTER = "persister"       # PULL, bound by the persister; inference and the renderer push (PersisterIn)

@@ -7,7 +7,8 @@ import time
 
 def _generate(argv) -> int:
     from common.config import Settings
-    from common.messages import ParamError, SamplingParams, validate_sampling
+    from common.messages import SamplingParams
+    from common.params import ParamError, validate_sampling
     from common.models import ModelError, load_text, resolve
     from procs.inference.loader import ModelLoadError
 

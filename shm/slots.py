@@ -44,6 +44,19 @@ def body_bytes(n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, es
     return 4 * n + 4 * vocab + 2 * layers * n * kv_heads * head_dim * esize
 
 
+def read_body(body, n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, kv_numpy_dtype):
+    """The reader's side of SlotPool.write: (logits f32[vocab], K and V [layers, n, KV, D]) as
+    numpy views of a body of exactly body_bytes(n, ...) bytes (ValueError otherwise)."""
+    import numpy as np
+    esize = np.dtype(kv_numpy_dtype).itemsize
+    want = body_bytes(n, vocab, layers, kv_heads, head_dim, esize)
+    if len(body) != want:
+        raise ValueError(f"slot holds {len(body)} bytes, expected {want}")
+    logits = np.frombuffer(body[4 * n:4 * n + 4 * vocab], dtype="<f4")
+    kv = np.frombuffer(body[4 * n + 4 * vocab:], dtype=kv_numpy_dtype).reshape(layers, 2, n, kv_heads, head_dim)
+    return logits, kv[:, 0], kv[:, 1]
+
+
 class SlotPool:
     """Inference side: the slots, which are busy, and copying a session's rows in."""
 

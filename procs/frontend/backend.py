@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from common.config import Settings
 from common.messages import (Accepted, CancelRequest, Delta, Failed, Finished, GenerateRequest, Health,
-                             PingRequest, Waiting, WebOut)
+                             PingRequest, Waiting, WebIn)
 from common.sockets import RENDERER, address
 
 log = logging.getLogger("web")
@@ -58,7 +58,7 @@ class ZmqBackend:
         self.idle_check = idle_check
         self.idle_ping_timeout = idle_ping_timeout
         self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(WebOut)
+        self._dec = msgspec.msgpack.Decoder(WebIn)
         self._queues: dict[str, asyncio.Queue] = {}
         self._cancelled: set[str] = set()
         self._ctx: zmq.asyncio.Context | None = None

@@ -17,8 +17,9 @@ import time
 
 import falcon.asgi
 
-from common.messages import (Accepted, ChatMessage, Finished, GenerateRequest, ParamError, SamplingParams,
-                             ToolCall, ToolCallFunction, validate_sampling)
+from common.messages import (Accepted, ChatMessage, Finished, GenerateRequest, SamplingParams, ToolCall,
+                             ToolCallFunction)
+from common.params import ParamError, validate_sampling
 from procs.frontend import agents
 from procs.frontend.agents import Block, Job, Outline, bad, get_bool, get_int, get_num, json_text
 from procs.frontend.schema import UNTIL_FULL, check_model, output_format

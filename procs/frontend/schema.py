@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from common.messages import (ChatMessage, GenerateRequest, ParamError, SamplingParams, ToolCall,
-                             ToolCallFunction, validate_sampling)
+from common.messages import ChatMessage, GenerateRequest, SamplingParams, ToolCall, ToolCallFunction
+from common.params import ParamError, validate_sampling
 from procs.frontend.errors import ApiError, bad
 
 UNTIL_FULL = 1 << 30        # no max_tokens: the renderer clamps it to the context left

@@ -91,9 +91,7 @@ class Disk:
         nbytes = self.pool.write(i, sess.tokens, logits, sess.k, sess.v, n, self.seq)
         g, c = self.geometry, self.model.cfg
         self.send(m.SaveCheckpoint(slot=i, seq=self.seq, slot_path=self.pool.paths[i], nbytes=nbytes,
-                                   tokens=tuple(sess.tokens[:n]), reason=reason, ctx_size=g.ctx_size,
-                                   chunk_size=g.chunk_size, n_layers=g.n_layers, kv_heads=g.kv_heads,
-                                   head_dim=g.head_dim, vocab_size=g.vocab_size, kv_dtype=g.kv_dtype,
+                                   tokens=tuple(sess.tokens[:n]), reason=reason, geometry=g,
                                    quant_bits=c.quant_bits, fingerprint=self.model.fingerprint))
         return True
 

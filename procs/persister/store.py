@@ -13,11 +13,11 @@ import stat
 import time
 
 import msgspec
-import numpy as np
 
 from common import kvfile, metrics
 from common import messages as m
 from common.policy import lru_victims
+from shm import slots
 
 
 class StaleSlot(Exception):
@@ -108,14 +108,9 @@ class Store:
         if old is not None and old.n_tokens == len(save.tokens) and os.path.exists(final):
             return sha1            # that exact state is already on disk
         n = len(save.tokens)
-        g = kvfile.Geometry(ctx_size=save.ctx_size, chunk_size=save.chunk_size, kv_capacity=save.ctx_size,
-                            n_layers=save.n_layers, kv_heads=save.kv_heads, head_dim=save.head_dim,
-                            vocab_size=save.vocab_size, kv_dtype=save.kv_dtype)
-        rows = save.n_layers * n * save.kv_heads * save.head_dim * kvfile.KV_ITEMSIZE[save.kv_dtype]
-        off_logits = 4 * n
-        off_kv = off_logits + 4 * save.vocab_size
-        if len(body) != off_kv + 2 * rows:
-            raise ValueError(f"slot holds {len(body)} bytes, expected {off_kv + 2 * rows}")
+        g = save.geometry
+        logits, k, v = slots.read_body(body, n, g.vocab_size, g.n_layers, g.kv_heads, g.head_dim,
+                                       kvfile.KV_NUMPY[g.kv_dtype])
         size = kvfile.TEXT_OFFSET + len(text) + kvfile.payload_size(n, g)    # KTM aside: small
         if size > self.budget:      # it would be evicted at once (section 8): spare the fsync
             if not self.warned_budget:
@@ -125,10 +120,7 @@ class Store:
             self.trace.line(f"KV cache: not stored sha1={sha1} ({n} tokens, {size} bytes alone exceed "
                             f"the disk budget of {self.budget} bytes)")
             return None
-        logits = np.frombuffer(body[off_logits:off_kv], dtype="<f4")
-        kv = np.frombuffer(body[off_kv:], dtype=kvfile.KV_NUMPY[save.kv_dtype])
-        kv = kv.reshape(save.n_layers, 2, n, save.kv_heads, save.head_dim)
-        parts = kvfile.write_parts(text, save.tokens, logits, kv[:, 0], kv[:, 1], g, save.fingerprint,
+        parts = kvfile.write_parts(text, save.tokens, logits, k, v, g, save.fingerprint,
                                    save.quant_bits, save.reason, ktm=ktm or None)
         tmp = f"{final}.tmp.{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

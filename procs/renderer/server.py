@@ -17,6 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from common import messages as m
@@ -24,6 +25,7 @@ from common.config import Settings
 from common.lifecycle import StopFlag
 from common import metrics
 from common.logs import setup
+from common.params import ParamError, validate_sampling
 from common.models import ModelError, context_size, load_text, resolve, served_model_id
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
@@ -91,7 +93,7 @@ class Renderer:
         self.index = DiskIndex(s, self.trace)
         self.grammars = grammar.Checker(guidance.tokenizer(self.text))
         self.enc = m.encoder()
-        self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.InferenceOut)
+        self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.EventsIn)
         self.queue: collections.deque[Pending] = collections.deque()
         self.current: Pending | None = None
         self.current_since = 0.0
@@ -197,7 +199,7 @@ class Renderer:
         if self.hold(route, req):
             return
         try:
-            m.validate_sampling(req.sampling)
+            validate_sampling(req.sampling)
             stats = tools.Rendered()
             prompt = render(self.text, req, self.tool_memory, self.index.entries, stats)
             if any(x.tool_calls for x in req.messages):
@@ -216,7 +218,7 @@ class Renderer:
             if len(self.queue) >= self.s.max_queue:
                 raise PromptError(None, "too many requests are waiting; retry later", code="queue_full", status=429)
             constraint = self.constrain(req)
-        except (m.ParamError, grammar.GrammarError) as e:
+        except (ParamError, grammar.GrammarError) as e:
             self.to_web(route, m.Failed(rid=req.rid, status=400, message=str(e), param=e.param))
             return
         except PromptError as e:
@@ -284,12 +286,10 @@ class Renderer:
         saves = save_plan(s, n_prompt, reused, pfx_tokens if not restore else 0) if s.kv_disk_dir else ()
         evict = evict_needed(s, self.index, self.text, self.live, keep)
         p.ids = ids
-        sp = p.req.sampling
-        budget = min(sp.max_tokens, self.n_ctx - n_prompt)
-        sampling = m.SamplingParams(max_tokens=budget, temperature=sp.temperature, top_p=sp.top_p,
-                                    top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed,
-                                    top_logprobs=sp.top_logprobs,
-                                    stop_ids=tuple(sorted(self.text.stop_ids)))
+        budget = min(p.req.sampling.max_tokens, self.n_ctx - n_prompt)
+        # the client's parameters, every field kept, with the budget and stop ids decided here
+        sampling = msgspec.structs.replace(p.req.sampling, max_tokens=budget,
+                                           stop_ids=tuple(sorted(self.text.stop_ids)))
         p.stream = TextStream(self.text, p.req.stop)
         if p.req.tools:
             choice = tool_choice(p.req)

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from common.messages import ParamError, SamplingParams, validate_sampling
+from common.messages import SamplingParams
+from common.params import ParamError, validate_sampling
 from procs.inference.loader import ModelLoadError, load
 from procs.inference.model import KVSession
 from procs.inference.runtime import pick_dtype

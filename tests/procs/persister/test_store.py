@@ -30,8 +30,8 @@ def fake_slot(n: int, seed: int = 0, g=GEOM, ctx=4096, reason=kf.COLD):
     body = tokens.tobytes() + logits.tobytes() + kv.tobytes()
     extra = {"seq": 1} if "seq" in m.SaveCheckpoint.__struct_fields__ else {}
     save = m.SaveCheckpoint(slot=0, slot_path="", nbytes=len(body), tokens=tuple(int(t) for t in tokens),
-                            reason=reason, ctx_size=ctx, chunk_size=512, quant_bits=4, fingerprint=FP,
-                            **g, **extra)
+                            reason=reason, geometry=kf.Geometry(ctx_size=ctx, chunk_size=512, kv_capacity=ctx, **g),
+                            quant_bits=4, fingerprint=FP, **extra)
     return save, body, (tokens, logits, kv)
 
 
