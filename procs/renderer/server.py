@@ -11,7 +11,6 @@ request that arrives meanwhile is held, unrendered, never planned against "empty
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import time
 import uuid
@@ -29,10 +28,11 @@ from common.params import ParamError, validate_sampling
 from common.models import ModelError, context_size, load_text, resolve, served_model_id
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
-from procs.renderer.cache import DiskIndex, evict_needed, prefix_end_tokens, save_plan
+from procs.renderer.cache import DiskIndex
+from procs.renderer.plan import plan_job
 from common import guidance
 from procs.renderer import grammar, tools
-from procs.renderer.prompt import (PromptError, TextStream, plan_reuse, prefix_bytes, render,
+from procs.renderer.prompt import (PromptError, TextStream, render,
                                    token_logprob, tool_choice)
 
 HEALTH_FRESH_S = 5.0      # inference counts as up if it said anything this recently
@@ -258,35 +258,12 @@ class Renderer:
         if self.current is not None or not self.queue:
             return
         p = self.queue.popleft()
-        s, rid = self.s, p.req.rid
-        ids, reuse = plan_reuse(self.text, p.prompt, p.full, self.live, s.kv_cache_min_tokens)
-        if len(ids) >= self.n_ctx:   # the live-text split can tokenize longer than the whole
-            ids, reuse = p.full, 0
-        restore, suffix = None, ()
-        prompt_sha = hashlib.sha1(p.prompt).hexdigest()
-        if s.kv_disk_dir:
-            qbits = self.inference.quant_bits if self.inference else 0
-            entry, why = self.index.lookup(p.prompt, self.n_ctx, qbits)
-            if entry is not None and entry.n_tokens > reuse:
-                suffix = tuple(self.text.encode(p.prompt[entry.text_len:]))
-                if entry.n_tokens + len(suffix) < self.n_ctx:
-                    restore = entry
-            elif entry is None and not reuse:
-                self.trace.line(f"KV cache: miss for sha1={prompt_sha} (reason: {why})")
-            p.miss = why.split(" at byte")[0] if entry is None else "shorter than the live session"
-        else:
-            p.miss = "disk cache off"
-        keep = 0 if restore else reuse
-        n_prompt = restore.n_tokens + len(suffix) if restore else len(ids)
-        reused = restore.n_tokens if restore else reuse
-        if restore is None and reuse:
-            self.trace.line(f"KV cache: live session reused for sha1={prompt_sha} ({reuse} tokens)")
-        pfx = prefix_bytes(self.text, p.req, p.prompt)
-        pfx_tokens = prefix_end_tokens(self.text, ids, pfx) if pfx else 0
-        saves = save_plan(s, n_prompt, reused, pfx_tokens if not restore else 0) if s.kv_disk_dir else ()
-        evict = evict_needed(s, self.index, self.text, self.live, keep)
-        p.ids = ids
-        budget = min(p.req.sampling.max_tokens, self.n_ctx - n_prompt)
+        pl = plan_job(self.s, self.text, self.n_ctx, self.index, self.live,
+                      self.inference.quant_bits if self.inference else 0, p.req, p.prompt, p.full)
+        for line in pl.notes:
+            self.trace.line(line)
+        p.ids, p.miss = pl.ids, pl.miss
+        budget = min(p.req.sampling.max_tokens, self.n_ctx - pl.n_prompt)
         # the client's parameters, every field kept, with the budget and stop ids decided here
         sampling = msgspec.structs.replace(p.req.sampling, max_tokens=budget,
                                            stop_ids=tuple(sorted(self.text.stop_ids)))
@@ -298,10 +275,10 @@ class Renderer:
         self.current, self.current_since = p, time.monotonic()
         self.heard_at_dispatch = self.current_since - self.last_heard < HEALTH_FRESH_S
         self.dispatch_seq = self.ping_seq
-        self.to_inference(m.Job(rid=rid, ids=tuple(ids), reuse=reuse, sampling=sampling,
-                                restore=restore.sha1 if restore else "",
-                                restore_tokens=restore.n_tokens if restore else 0,
-                                suffix=suffix if restore else (), saves=saves, evict=evict,
+        r = pl.restore
+        self.to_inference(m.Job(rid=p.req.rid, ids=tuple(pl.ids), reuse=pl.reuse, sampling=sampling,
+                                restore=r.sha1 if r else "", restore_tokens=r.n_tokens if r else 0,
+                                suffix=pl.suffix, saves=pl.saves, evict=pl.evict,
                                 run_last=p.calls is not None, constraint=p.constraint))
 
     # -- inference events --

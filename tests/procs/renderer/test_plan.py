@@ -1,0 +1,61 @@
+"""The reuse plan without processes or sends: the real tokenizer, an index of entries made
+here (no files are read), a live session given as ids."""
+from __future__ import annotations
+
+from common import messages as m
+from common.config import Settings
+from common.trace import Trace
+from procs.renderer.cache import DiskIndex
+from procs.renderer.plan import plan_job
+from tests.helpers import sha1
+
+CHAT = m.GenerateRequest(rid="r", kind="chat", sampling=m.SamplingParams(),
+                         messages=(m.ChatMessage(role="user", content="hi"),))
+
+
+def setup(text_model, n_words=200, **kw):
+    prompt = (" ".join(f"w{i}" for i in range(n_words))).encode()
+    s = Settings(kv_disk_dir="/nonexistent", kv_cache_min_tokens=8, kv_cache_boundary_align_tokens=32,
+                 kv_cache_boundary_trim_tokens=4, **kw)
+    ix = DiskIndex(s, Trace("", "renderer"))
+    return s, ix, prompt, text_model.encode(prompt)
+
+
+def entry(text_model, text: bytes) -> m.IndexEntry:
+    return m.IndexEntry(sha1=sha1(text), text_len=len(text), n_tokens=len(text_model.encode(text)),
+                        quant_bits=4, ctx_size=8192, size=1, last_used=0)
+
+
+def test_live_session_prefix_is_kept(text_model):
+    s, ix, prompt, full = setup(text_model)
+    ix.update(m.IndexSnapshot(entries=(), version=1))
+    live = full[:100]
+    pl = plan_job(s, text_model, 8192, ix, live, 4, CHAT, prompt, full)
+    assert (pl.reuse, pl.restore, pl.cached, pl.n_prompt) == (100, None, 100, len(full))
+    assert pl.ids == full and not pl.evict
+    assert pl.miss == "no checkpoints" and any("live session reused" in n for n in pl.notes)
+
+
+def test_longer_checkpoint_beats_the_live_session(text_model):
+    s, ix, prompt, full = setup(text_model)
+    cut = prompt.index(b" w150")
+    e = entry(text_model, prompt[:cut])
+    ix.update(m.IndexSnapshot(entries=(e,), version=1))
+    live = full[:50] + [7, 7, 7]          # diverges after 50 tokens: evict-saved before the restore
+    pl = plan_job(s, text_model, 8192, ix, live, 4, CHAT, prompt, full)
+    assert pl.restore == e and pl.cached == e.n_tokens
+    assert text_model.piece_bytes(pl.suffix) == prompt[cut:]
+    assert pl.n_prompt == e.n_tokens + len(pl.suffix)
+    assert pl.evict
+
+
+def test_cold_and_disk_off(text_model):
+    s, ix, prompt, full = setup(text_model)
+    ix.update(m.IndexSnapshot(entries=(), version=1))
+    pl = plan_job(s, text_model, 8192, ix, [], 4, CHAT, prompt, full)
+    assert (pl.reuse, pl.cached, pl.restore) == (0, 0, None) and pl.miss == "no checkpoints"
+    assert [p.pos for p in pl.saves] and all(p.pos <= len(full) for p in pl.saves)   # a cold save
+    assert any("miss for sha1=" in n for n in pl.notes)
+    off = Settings(kv_disk_dir="")
+    pl = plan_job(off, text_model, 8192, DiskIndex(off, Trace("", "renderer")), [], 4, CHAT, prompt, full)
+    assert pl.miss == "disk cache off" and pl.saves == () and not pl.evict
