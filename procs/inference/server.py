@@ -20,13 +20,14 @@ from common.config import Settings
 from common.lifecycle import StopFlag
 from common import metrics
 from common.logs import setup
-from common.policy import cold_position, continued_frontiers
+from common.policy import continued_frontiers
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
 from common.models import load_text, resolve
 from procs.inference.disk import Disk, RestoreError
 from procs.inference.guide import Guides
 from procs.inference.model import KVSession
+from procs.inference.plan import live_reuse, prompt_saves
 from procs.inference.runtime import build
 from procs.inference.sampling import Sampler
 
@@ -159,17 +160,11 @@ class Worker:
 
     def plan(self, job: m.Job) -> int:
         """Tokens of the live session to keep: the renderer's plan if it still holds."""
-        ids, r = job.ids, job.reuse
-        live = self.live.tokens
-        if r > len(live) or list(ids[:r]) != live[:r]:
+        r, stale = live_reuse(job.ids, job.reuse, self.live.tokens, self.live.logits is not None,
+                              self.s.chunk_size)
+        if stale:
             self.log.warning("job %s: live session differs from the plan; cold prefill", job.rid)
-            r = 0
-        if r >= len(ids) and (len(live) != len(ids) or self.live.logits is None):
-            # the whole prompt is cached but not its logits: re-run from the chunk boundary at
-            # or below its last token, so the chunk is the one a cold prefill ran and the
-            # logits (and a greedy answer) are the same as the first time
-            r = (len(ids) - 1) // self.s.chunk_size * self.s.chunk_size
-        return min(r, len(ids))
+        return r
 
     def start(self, job: m.Job) -> tuple[list[int], int]:
         """Put the live session in place for job: (effective prompt ids, tokens reused)."""
@@ -253,14 +248,8 @@ class Worker:
         got: dict = {}
         s = self.s
         try:
-            saves = [p for p in job.saves if r < p.pos <= len(ids)] if self.disk.enabled else []
-            if self.fallback_cold and self.disk.enabled:   # the plan assumed the restore
-                pos = cold_position(len(ids), 0, s.kv_cache_min_tokens, s.kv_cache_cold_max_tokens,
-                                    s.kv_cache_boundary_align_tokens, s.kv_cache_boundary_trim_tokens)
-                saves = [m.SavePoint(pos=pos, reason=kvfile.COLD)] if pos else []
-            frontiers = continued_frontiers(r, len(ids), s.kv_cache_continued_interval_tokens,
-                                            s.kv_cache_boundary_align_tokens, self.last_frontier) \
-                if self.disk.enabled else []
+            saves, frontiers = prompt_saves(s, job.saves, r, len(ids), self.fallback_cold, self.last_frontier) \
+                if self.disk.enabled else ([], [])
             want = {p.pos for p in saves} | set(frontiers)
             got = self.live.prefill(ids[r:], logits_at=want, on_chunk=progress)
             got[len(self.live)] = self.live.logits
