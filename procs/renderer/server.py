@@ -7,6 +7,10 @@ stop strings and usage for the web worker that asked (its ROUTER identity is the
 Readiness: what it learns from other processes (the persister's index and tool ids, the
 live session's ids, inference's health) it asks for whenever it does not know it, and a
 request that arrives meanwhile is held, unrendered, never planned against "empty".
+
+Here: the sockets, run(), admission and dispatch. Decisions live beside it: plan.py (the
+reuse plan), readiness.py (what must be known before serving), answer.py (Token events
+to the web's messages), grammar.py, prompt.py, tools.py, cache.py.
 """
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ import collections
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -30,43 +33,21 @@ from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER, RENDERER_EVENTS,
 from common.trace import Trace
 from procs.renderer.cache import DiskIndex
 from procs.renderer.plan import plan_job
+from procs.renderer.answer import Answers, Pending
+from procs.renderer.readiness import HEALTH_FRESH_S, Readiness
 from common import guidance
 from procs.renderer import grammar, tools
-from procs.renderer.prompt import (PromptError, TextStream, render,
-                                   token_logprob, tool_choice)
+from procs.renderer.prompt import PromptError, TextStream, render, tool_choice
 
-HEALTH_FRESH_S = 5.0      # inference counts as up if it said anything this recently
 JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (lost job)
 # Inference answers pings between prefill chunks and tokens, so a process heard when a job
 # started and silent this long since is dead or hung: its job is failed sooner. Only a job it
 # has begun: one it has not may wait in the socket for a restarting process (which lists it
 # in its first ping answer, or the job is failed then as lost), however long its model loads.
 INFERENCE_SILENCE_S = 20.0
-READY_WAIT_S = 120.0      # a request held this long while the server is not ready fails (503)
-HELLO_EVERY_S = 2.0       # RendererHello repeats until the persister's state arrives
 
 
-@dataclass
-class Pending:
-    route: bytes
-    req: m.GenerateRequest
-    prompt: bytes
-    full: list[int]
-    ids: list[int] = field(default_factory=list)
-    cached: int = 0
-    prompt_tokens: int = 0          # set by Begun: inference has begun the job
-    admitted: float = 0.0
-    first_token: bool = False
-    gen_bytes: list[int] = field(default_factory=list)   # cumulative bytes after each generated token
-    miss: str = ""                  # why the disk cache had nothing, for the lookup metric
-    n_generated: int = 0
-    stream: TextStream | None = None
-    calls: tools.CallParser | None = None   # set when generated tool calls are parsed
-    finished: bool = False          # the web has its Finished/Failed; ignore further tokens
-    constraint: m.Constraint | None = None
-
-
-class Renderer:
+class Renderer(Readiness, Answers):
     def __init__(self, s: Settings, log):
         self.s, self.log = s, log
         path = resolve(s.model, s.models_path())
@@ -335,177 +316,6 @@ class Renderer:
             self.live = list(ev.live)
             self.current = None
             self.dispatch()
-
-    def on_token(self, p: Pending, ev: m.Token) -> None:
-        if p.finished:
-            return
-        if ev.id < 0:       # no room to generate at all
-            self.finish(p, ev.finish or "length")
-            return
-        p.n_generated += 1
-        p.gen_bytes.append((p.gen_bytes[-1] if p.gen_bytes else 0) + len(self.text.pieces[ev.id]))
-        if not p.first_token:
-            p.first_token = True
-            metrics.M.ttft.observe(time.monotonic() - p.admitted)
-        is_stop_tok = ev.id in self.text.stop_ids
-        text = "" if is_stop_tok else p.stream.push(ev.id)
-        lps = ()
-        if p.req.logprobs:
-            lps = (token_logprob(self.text, ev.id, ev.logprob, ev.top),)
-        pieces = []
-        if p.calls is not None:
-            text, pieces = p.calls.push(text)
-            if p.calls.done:      # a call was closed and the model went on with something else
-                kept = p.calls.close_block()
-                if pieces:
-                    self.to_web(p.route, m.Delta(rid=p.req.rid, logprobs=lps, tool_calls=tuple(pieces)))
-                self.finish(p, "tool_calls")
-                # the live session keeps only the tokens inside content + block, so that it and
-                # its checkpoints stay a byte prefix of the next turn's prompt
-                k = sum(1 for b in p.gen_bytes if b <= kept)
-                self.to_inference(m.CancelJob(rid=p.req.rid, keep=(p.prompt_tokens or len(p.ids)) + k))
-                return
-        if p.stream.stopped:   # a stop string: end here, and stop the model
-            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
-            self.finish(p, "stop")
-            self.to_inference(m.CancelJob(rid=p.req.rid))
-            return
-        if text or lps or pieces:
-            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
-        if ev.finish:
-            self.finish(p, ev.finish)
-
-    def finish(self, p: Pending, reason: str) -> None:
-        tail = p.stream.flush() if p.stream else ""
-        pieces = []
-        if p.calls is not None:
-            tail, pieces = p.calls.push(tail)
-            tail += p.calls.flush()
-            if p.calls.calls:
-                reason = "tool_calls"
-                self.remember_calls(p.calls)
-        if tail or pieces:
-            self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces)))
-        usage = m.Usage(prompt_tokens=p.prompt_tokens or len(p.ids), completion_tokens=p.n_generated, cached_tokens=p.cached)
-        metrics.M.prompt_tokens.inc(usage.prompt_tokens)
-        metrics.M.cached_tokens.inc(usage.cached_tokens)
-        metrics.M.generated_tokens.inc(usage.completion_tokens)
-        self.to_web(p.route, m.Finished(rid=p.req.rid, finish_reason=reason, usage=usage))
-        p.finished = True
-
-    def remember_calls(self, parser: tools.CallParser) -> None:
-        if self.tool_memory is None:
-            return
-        ids = [c[0] for c in parser.calls]
-        block = parser.block.encode("utf-8", "surrogateescape")
-        self.tool_memory.remember(ids, block)
-        if self.s.kv_disk_dir:
-            try:
-                self.to_persister.send(self.enc.encode(m.ToolIds(entries=tuple((i, block) for i in ids))),
-                                       flags=zmq.NOBLOCK)
-            except zmq.Again:
-                self.log.warning("persister not reachable; tool ids kept in memory only")
-
-    def fail(self, p: Pending, status: int, message: str, code=None, err_type="server_error") -> None:
-        if not p.finished:
-            self.to_web(p.route, m.Failed(rid=p.req.rid, status=status, message=message, code=code,
-                                          err_type=err_type))
-            p.finished = True
-
-    # -- readiness: what other processes know, asked for until known --
-    def lacks(self) -> str:
-        """What the renderer does not know yet to serve correctly ("" when ready)."""
-        missing = []
-        if self.inference is None or time.monotonic() - self.last_heard >= HEALTH_FRESH_S:
-            missing.append("the inference process (starting: loading its model)" if self.inference is None
-                           else "the inference process (not answering)")
-        elif self.live is None:
-            missing.append("the live session's token ids from inference")
-        if self.s.kv_disk_dir and not self.persister_boot:
-            missing.append("the disk cache index from the persister")
-        return "waiting for " + " and ".join(missing) if missing else ""
-
-    def hold(self, route: bytes, req: m.GenerateRequest) -> bool:
-        """Not ready: keep the request unrendered (rendering needs the index for tool-call
-        replay, planning needs the live ids) and tell the web it waits."""
-        lacks = self.lacks()
-        if not lacks:
-            return False
-        if len(self.held) + len(self.queue) >= self.s.max_queue:
-            self.to_web(route, m.Failed(rid=req.rid, status=429, message="too many requests are waiting; retry later",
-                                        code="queue_full"))
-            return True
-        self.held.append((route, req, time.monotonic()))
-        self.to_web(route, m.Waiting(rid=req.rid, detail=lacks))
-        return True
-
-    def keep_ready(self, now: float) -> None:
-        """Ask for what is missing; admit held requests once ready; fail what waited too long."""
-        if self.s.kv_disk_dir and not self.persister_boot and now - self.last_hello > HELLO_EVERY_S:
-            self.last_hello = now
-            self.send_persister(m.RendererHello(boot=self.boot))
-        lacks = self.lacks()
-        if not lacks:
-            if self.unready_since is not None:
-                self.log.info("ready (after %.1f s)", now - self.unready_since)
-                self.unready_since = None
-            while self.held and not self.lacks():
-                route, req, _ = self.held.popleft()
-                self.admit(route, req)
-            self.dispatch()
-            return
-        if self.unready_since is None:
-            self.unready_since = now
-            self.log.warning("not ready: %s", lacks)
-        while self.held and now - self.held[0][2] > READY_WAIT_S:
-            route, req, _ = self.held.popleft()
-            self.to_web(route, m.Failed(rid=req.rid, status=503, message=f"the server is not ready ({lacks})",
-                                        code="not_ready", err_type="server_error"))
-        if now - self.unready_since > READY_WAIT_S:
-            for p in [p for p in self.queue if now - max(p.admitted, self.unready_since) > READY_WAIT_S]:
-                self.queue.remove(p)
-                self.fail(p, 503, f"the server is not ready ({lacks})", code="not_ready")
-
-    def send_persister(self, msg) -> None:
-        try:
-            self.to_persister.send(self.enc.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass   # the persister is not reading; what matters is asked again
-
-    def on_persister_state(self, ev: m.PersisterState) -> None:
-        """The persister's whole state: after its start (scan done) or our RendererHello."""
-        self.index.update(ev.index)
-        if self.tool_memory is not None:
-            # the persister's ids (its files' KTM sections, and what earlier renderers told it)
-            # join the ids read from those files, so a replay counts as one from disk
-            known = self.tool_memory.disk
-            known.update(ev.tool_ids)
-            while len(known) > self.tool_memory.max_ids:
-                known.pop(next(iter(known)))
-            if self.persister_boot and ev.boot != self.persister_boot and self.tool_memory.mem:
-                # a restarted persister knows only the ids in its files: give it ours again
-                items = list(self.tool_memory.mem.items())
-                for k in range(0, len(items), 1000):
-                    self.send_persister(m.ToolIds(entries=tuple(items[k:k + 1000])))
-        if ev.boot != self.persister_boot:
-            self.log.info("persister %s: %d index entries, %d tool ids", ev.boot[:8], len(ev.index.entries),
-                          len(ev.tool_ids))
-        self.persister_boot = ev.boot
-        self.keep_ready(time.monotonic())
-
-    def on_live_state(self, ev: m.LiveState) -> None:
-        cur = self.current
-        if ev.rid and cur is not None and ev.rid == cur.req.rid:
-            # inference did not run the job: it was planned against a session it does not hold
-            self.log.warning("job %s: planned against a stale live session; planning it again", ev.rid)
-            self.live = list(ev.tokens)
-            self.current = None
-            self.queue.appendleft(cur)
-            self.dispatch()
-        elif not ev.rid and not ev.busy and cur is None and self.live is None \
-                and (self.inference is None or ev.boot == self.inference.boot):
-            self.live = list(ev.tokens)
-            self.keep_ready(time.monotonic())
 
 
 def run(argv=None) -> int:

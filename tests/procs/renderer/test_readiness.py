@@ -13,6 +13,7 @@ import pytest
 
 from common import messages as m
 from common.config import Settings
+from procs.renderer import readiness
 from procs.renderer import server as rs
 
 LOG = logging.getLogger("test")
@@ -150,7 +151,7 @@ def test_held_requests_fail_after_the_bound_and_can_be_cancelled(renderer):
     request(r, "e")
     r.on_request(b"web-1", r.enc.encode(m.CancelRequest(rid="e")))
     assert not r.holds("e") and r.holds("d")
-    r.keep_ready(r.held[0][2] + rs.READY_WAIT_S + 1)
+    r.keep_ready(r.held[0][2] + readiness.READY_WAIT_S + 1)
     failed = r.out.of("web", m.Failed)
     assert [(f.rid, f.status, f.code) for f in failed] == [("d", 503, "not_ready")]
     assert not r.holds("d")

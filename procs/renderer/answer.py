@@ -1,0 +1,114 @@
+"""A running request's answer: Token events in, text deltas, stop strings, tool calls and
+usage out to the web worker that asked. A mixin of Renderer (procs/renderer/server.py),
+whose state it uses: text, to_web, to_inference, tool_memory, s, enc, to_persister, log.
+Invariant: the live session keeps only the tokens of content + the closed call block, so it
+and its checkpoints stay a byte prefix of the next turn's prompt."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from common import messages as m
+from common import metrics
+from procs.renderer import tools
+from procs.renderer.prompt import TextStream, token_logprob
+
+
+@dataclass
+class Pending:
+    route: bytes
+    req: m.GenerateRequest
+    prompt: bytes
+    full: list[int]
+    ids: list[int] = field(default_factory=list)
+    cached: int = 0
+    prompt_tokens: int = 0          # set by Begun: inference has begun the job
+    admitted: float = 0.0
+    first_token: bool = False
+    gen_bytes: list[int] = field(default_factory=list)   # cumulative bytes after each generated token
+    miss: str = ""                  # why the disk cache had nothing, for the lookup metric
+    n_generated: int = 0
+    stream: TextStream | None = None
+    calls: tools.CallParser | None = None   # set when generated tool calls are parsed
+    finished: bool = False          # the web has its Finished/Failed; ignore further tokens
+    constraint: m.Constraint | None = None
+
+
+class Answers:
+    def on_token(self, p: Pending, ev: m.Token) -> None:
+        if p.finished:
+            return
+        if ev.id < 0:       # no room to generate at all
+            self.finish(p, ev.finish or "length")
+            return
+        p.n_generated += 1
+        p.gen_bytes.append((p.gen_bytes[-1] if p.gen_bytes else 0) + len(self.text.pieces[ev.id]))
+        if not p.first_token:
+            p.first_token = True
+            metrics.M.ttft.observe(time.monotonic() - p.admitted)
+        is_stop_tok = ev.id in self.text.stop_ids
+        text = "" if is_stop_tok else p.stream.push(ev.id)
+        lps = ()
+        if p.req.logprobs:
+            lps = (token_logprob(self.text, ev.id, ev.logprob, ev.top),)
+        pieces = []
+        if p.calls is not None:
+            text, pieces = p.calls.push(text)
+            if p.calls.done:      # a call was closed and the model went on with something else
+                kept = p.calls.close_block()
+                if pieces:
+                    self.to_web(p.route, m.Delta(rid=p.req.rid, logprobs=lps, tool_calls=tuple(pieces)))
+                self.finish(p, "tool_calls")
+                # the live session keeps only the tokens inside content + block, so that it and
+                # its checkpoints stay a byte prefix of the next turn's prompt
+                k = sum(1 for b in p.gen_bytes if b <= kept)
+                self.to_inference(m.CancelJob(rid=p.req.rid, keep=(p.prompt_tokens or len(p.ids)) + k))
+                return
+        if p.stream.stopped:   # a stop string: end here, and stop the model
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
+            self.finish(p, "stop")
+            self.to_inference(m.CancelJob(rid=p.req.rid))
+            return
+        if text or lps or pieces:
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
+        if ev.finish:
+            self.finish(p, ev.finish)
+
+    def finish(self, p: Pending, reason: str) -> None:
+        tail = p.stream.flush() if p.stream else ""
+        pieces = []
+        if p.calls is not None:
+            tail, pieces = p.calls.push(tail)
+            tail += p.calls.flush()
+            if p.calls.calls:
+                reason = "tool_calls"
+                self.remember_calls(p.calls)
+        if tail or pieces:
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces)))
+        usage = m.Usage(prompt_tokens=p.prompt_tokens or len(p.ids), completion_tokens=p.n_generated, cached_tokens=p.cached)
+        metrics.M.prompt_tokens.inc(usage.prompt_tokens)
+        metrics.M.cached_tokens.inc(usage.cached_tokens)
+        metrics.M.generated_tokens.inc(usage.completion_tokens)
+        self.to_web(p.route, m.Finished(rid=p.req.rid, finish_reason=reason, usage=usage))
+        p.finished = True
+
+    def remember_calls(self, parser: tools.CallParser) -> None:
+        if self.tool_memory is None:
+            return
+        ids = [c[0] for c in parser.calls]
+        block = parser.block.encode("utf-8", "surrogateescape")
+        self.tool_memory.remember(ids, block)
+        if self.s.kv_disk_dir:
+            try:
+                self.to_persister.send(self.enc.encode(m.ToolIds(entries=tuple((i, block) for i in ids))),
+                                       flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self.log.warning("persister not reachable; tool ids kept in memory only")
+
+    def fail(self, p: Pending, status: int, message: str, code=None, err_type="server_error") -> None:
+        if not p.finished:
+            self.to_web(p.route, m.Failed(rid=p.req.rid, status=status, message=message, code=code,
+                                          err_type=err_type))
+            p.finished = True
