@@ -11,32 +11,20 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 
 import falcon
 import falcon.asgi
-import msgspec
 
 from common.messages import Accepted, Delta, Failed, Finished, GenerateRequest
 from procs.frontend import app as app_mod
 from procs.frontend.backend import new_rid
 from procs.frontend.errors import ApiError, bad, from_failed
-from procs.frontend.schema import get_bool, get_int, get_num  # noqa: F401 (re-exported to the agent APIs)
+from procs.frontend.schema import TOOL_NAME, get_bool, get_int, get_num, json_text  # noqa: F401 (re-exported to the agent APIs)
+from procs.frontend.shape import encode
 from procs.frontend.stream import DISCONNECTED, END, TIMEOUT, Pump
 
 log = logging.getLogger("web")
-
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def encode(obj) -> bytes:
-    return msgspec.json.encode(obj)
-
-
-def json_text(v) -> str:
-    return msgspec.json.encode(v).decode()
-
 
 def chat_tool(name, description, parameters, at: str, schema_key: str = "parameters", strict=None) -> dict:
     """One tool in the chat shape ({"type": "function", "function": {...}}), keys in the order

@@ -131,7 +131,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, bool(usage)
 
 
-def _json_text(v) -> str:
+def json_text(v) -> str:
     return msgspec.json.encode(v).decode()
 
 
@@ -208,7 +208,7 @@ def _message(i: int, msg) -> ChatMessage:
     return ChatMessage(role=role, content=content or "", tool_calls=calls, tool_call_id=call_id, name=name)
 
 
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")   # tool and schema names, every API
 
 
 def _tools(body: dict) -> tuple[str, str]:
@@ -225,7 +225,7 @@ def _tools(body: dict) -> tuple[str, str]:
             if not isinstance(fn, dict):
                 raise bad(f"{at}.function", "a tool needs a 'function' object")
             name = fn.get("name")
-            if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
                 raise bad(f"{at}.function.name", "a function needs a 'name' of 1-64 letters, digits, '_', '-', '.'")
             if "parameters" in fn and not isinstance(fn["parameters"], dict):
                 raise bad(f"{at}.function.parameters", "'parameters' must be a JSON Schema object")
@@ -249,7 +249,7 @@ def _tools(body: dict) -> tuple[str, str]:
                 raise bad("tool_choice", f"'tool_choice' names {name!r}, which is not among the tools")
         else:
             raise bad("tool_choice", "'tool_choice' must be a string or an object")
-    return (_json_text(tools) if tools else "", _json_text(choice) if choice is not None else "")
+    return (json_text(tools) if tools else "", json_text(choice) if choice is not None else "")
 
 
 def output_format(fmt, param: str, schema_at: str) -> str:
@@ -262,7 +262,7 @@ def output_format(fmt, param: str, schema_at: str) -> str:
     if kind == "text":
         return ""
     if kind == "json_object":
-        return _json_text({"type": "json_object"})
+        return json_text({"type": "json_object"})
     if kind != "json_schema":
         raise bad(f"{param}.type", f"'{param}.type' must be text, json_object or json_schema")
     holder = fmt.get(schema_at) if schema_at else fmt
@@ -270,7 +270,7 @@ def output_format(fmt, param: str, schema_at: str) -> str:
     if not isinstance(holder, dict):
         raise bad(where, f"'{where}' must be an object")
     name = holder.get("name")
-    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise bad(f"{where}.name", "a json_schema needs a 'name' of 1-64 letters, digits, '_', '-', '.'")
     schema = holder.get("schema", {})
     if not isinstance(schema, dict):
@@ -278,7 +278,7 @@ def output_format(fmt, param: str, schema_at: str) -> str:
     strict = holder.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad(f"{where}.strict", "'strict' must be a boolean")
-    return _json_text({"type": "json_schema", "schema": schema, "strict": bool(strict)})
+    return json_text({"type": "json_schema", "schema": schema, "strict": bool(strict)})
 
 
 def parse_chat(body: dict, served_id: str, rid: str) -> Parsed:
