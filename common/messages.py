@@ -1,4 +1,4 @@
-"""Every ZeroMQ message: msgspec Structs, msgpack on the wire, no pickle anywhere.
+"""Every ZeroMQ message: msgspec Structs, msgpack on the wire. No pickle anywhere.
 
 Who sends what, on which socket (each union below is named after its receiver and is what
 that receiver decodes; socket names in common/sockets.py):
