@@ -1,0 +1,9 @@
+"""The `.kv` checkpoint file (docs/kv-format.md): 48-byte header, u32 text length + cache text,
+the DENS payload (13 u32, fingerprint, token ids, logits, per layer K rows then V rows, xxh3-64
+of the preceding payload bytes), then an optional KTM section. All integers little-endian.
+The header's payload byte count is exact; only hits (offset 12) and last-used (offset 32) ever
+change after the rename. Readers never trust a size without checking it against the file size;
+every rejection is a KVFileError whose `reason` is a short fixed string."""
+from common.kvfile.layout import *  # noqa: F401,F403  (one namespace: `kvfile.X` for every part)
+from common.kvfile.reading import *  # noqa: F401,F403
+from common.kvfile.writing import *  # noqa: F401,F403
