@@ -1,5 +1,6 @@
 """The frontend's test double: FakeBackend, ZmqBackend's API answering from a script (no
-renderer, no model), and the default script; used by the frontend's unit tests and the HTTP
+renderer, no model), the default script, and drive() (one request through the ASGI app
+with a client that disconnects); used by the frontend's unit tests and the HTTP
 fuzz of tests/stress."""
 from __future__ import annotations
 
@@ -70,3 +71,39 @@ class Resp:
     @property
     def json(self):
         return json.loads(self.text)
+
+
+async def drive(app, body: dict, after_first_body=None, disconnect_after: float | None = None,
+                path: str = "/v1/chat/completions"):
+    """Run one request through the ASGI app; the client disconnects once the first body chunk
+    came (streamed) or after `disconnect_after` seconds."""
+    raw = json.dumps(body).encode()
+    gone = asyncio.Event()
+    sent_body = False
+    out = {"status": None, "chunks": []}
+
+    async def receive():
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            out["status"] = msg["status"]
+        elif msg["type"] == "http.response.body" and msg.get("body"):
+            out["chunks"].append(msg["body"])
+            if after_first_body is not None:
+                gone.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                                (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 80)}
+    if disconnect_after is not None:
+        asyncio.get_running_loop().call_later(disconnect_after, gone.set)
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    return out

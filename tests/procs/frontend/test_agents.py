@@ -15,7 +15,7 @@ from common.messages import (Accepted, Delta, Failed, Finished, SamplingParams, 
 from procs.frontend import app as app_mod
 from procs.frontend.app import create_app
 from procs.frontend.schema import UNTIL_FULL
-from tests.procs.frontend.fakes import MODEL, FakeBackend, Resp
+from tests.procs.frontend.fakes import MODEL, FakeBackend, Resp, drive
 
 USAGE = Usage(prompt_tokens=70, completion_tokens=12, cached_tokens=50)
 CID = "call_" + "ab" * 16
@@ -484,38 +484,12 @@ def test_api_key_headers():
     assert len(be.requests) == 3
 
 
-async def drive(app, path: str, body: dict):
-    """One streamed request; the client disconnects after the first body chunk."""
-    raw = json.dumps(body).encode()
-    gone, sent = asyncio.Event(), []
-    out = {"status": None}
-
-    async def receive():
-        if not sent:
-            sent.append(1)
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(msg):
-        if msg["type"] == "http.response.start":
-            out["status"] = msg["status"]
-        elif msg.get("body"):
-            gone.set()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    await asyncio.wait_for(app(scope, receive, send), 5)
-    return out
-
-
 def test_disconnect_mid_stream_cancels():
     def hang(rid, req):
         return [Accepted(rid=rid, prompt_tokens=1), Delta(rid=rid, text="a"), None]
     for path, body in [("/v1/responses", {"input": "x", "stream": True}), ("/v1/messages", msg_body(stream=True))]:
         be, _, app = make(hang)
-        assert asyncio.run(drive(app, path, body))["status"] == 200
+        assert asyncio.run(drive(app, body, after_first_body=True, path=path))["status"] == 200
         assert be.cancelled == [be.requests[0].rid]
 
 

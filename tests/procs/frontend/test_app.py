@@ -20,7 +20,7 @@ from procs.frontend.app import create_app
 from procs.frontend.backend import NOT_ANSWERING, ZmqBackend
 from procs.frontend.schema import MAX_STOPS, UNTIL_FULL
 from procs.frontend.shape import LOGPROB_FLOOR
-from tests.procs.frontend.fakes import MODEL, USAGE, FakeBackend, Resp, ok_script
+from tests.procs.frontend.fakes import MODEL, USAGE, FakeBackend, Resp, drive, ok_script
 
 
 class Client:
@@ -406,41 +406,6 @@ async def raw_call(app, chunks: list[bytes], path="/v1/chat/completions"):
 
 
 # -- disconnect ---------------------------------------------------------------------------
-
-async def drive(app, body: dict, after_first_body=None, disconnect_after: float | None = None):
-    """Run one request through the ASGI app; the client disconnects once the first body chunk
-    came (streamed) or after `disconnect_after` seconds."""
-    raw = json.dumps(body).encode()
-    gone = asyncio.Event()
-    sent_body = False
-    out = {"status": None, "chunks": []}
-
-    async def receive():
-        nonlocal sent_body
-        if not sent_body:
-            sent_body = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(msg):
-        if msg["type"] == "http.response.start":
-            out["status"] = msg["status"]
-        elif msg["type"] == "http.response.body" and msg.get("body"):
-            out["chunks"].append(msg["body"])
-            if after_first_body is not None:
-                gone.set()
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                                                (b"content-length", str(len(raw)).encode())],
-             "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 80)}
-    if disconnect_after is not None:
-        asyncio.get_running_loop().call_later(disconnect_after, gone.set)
-    await asyncio.wait_for(app(scope, receive, send), 5)
-    return out
-
 
 def hang(rid, req):
     return [Accepted(rid=rid, prompt_tokens=1), Delta(rid=rid, text="a"), None]

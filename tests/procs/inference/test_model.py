@@ -112,16 +112,20 @@ def _stack(logits: dict, ns) -> torch.Tensor:
 TAIL_N = range(LONG_N - TAIL + 1, LONG_N + 1)
 
 
+def assert_tail_close(model, ref: dict, got: dict, what: str) -> None:
+    """The tail's logits agree: the same greedy tokens, and within the dtype's tolerance."""
+    a, b = _stack(ref, TAIL_N), _stack(got, TAIL_N)
+    diff = (a - b).abs().max().item()
+    print(f"\n[{dname(model)}] {what}: max abs logit diff {diff:.3g} (tolerance {CHUNK_TOL[model.dtype]:g})")
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert diff <= CHUNK_TOL[model.dtype]
+
+
 def test_chunk_size_does_not_change_results(model, long_ids, uninterrupted):
     _, ref = uninterrupted
     s = KVSession(model, N_CTX, 128)
     got = s.prefill(long_ids, logits_at=WANT)
-    a, b = _stack(ref, TAIL_N), _stack(got, TAIL_N)
-    diff = (a - b).abs().max().item()
-    print(f"\n[{dname(model)}] chunk 512 vs 128: max abs logit diff {diff:.3g} "
-          f"(tolerance {CHUNK_TOL[model.dtype]:g})")
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert diff <= CHUNK_TOL[model.dtype]
+    assert_tail_close(model, ref, got, "chunk 512 vs 128")
 
 
 def test_decode_matches_prefill(model, long_ids, uninterrupted):
@@ -136,12 +140,7 @@ def test_decode_matches_prefill(model, long_ids, uninterrupted):
     for i in range(LONG_N - TAIL, LONG_N):
         got[i + 1] = s.decode(long_ids[i])
     assert s.tokens == long_ids
-    a, b = _stack(ref, TAIL_N), _stack(got, TAIL_N)
-    diff = (a - b).abs().max().item()
-    print(f"\n[{dname(model)}] prefill vs token-by-token decode: max abs logit diff {diff:.3g} "
-          f"(tolerance {CHUNK_TOL[model.dtype]:g})")
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert diff <= CHUNK_TOL[model.dtype]
+    assert_tail_close(model, ref, got, "prefill vs token-by-token decode")
 
 
 def test_aligned_checkpoint_resume_is_bit_identical(model, long_ids, uninterrupted):

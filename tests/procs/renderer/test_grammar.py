@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from common import guidance
 from common import messages as m
 from procs.inference.guide import Guides
 from procs.renderer import grammar
@@ -77,7 +76,7 @@ def test_named_call_is_the_rendered_call(guides, checker, text_model):
     stop tokens: a constrained call replays byte for byte even without its id."""
     c = checker.make(TOOLS, NAMED, None)
     full = call_json("get_weather", json.dumps({"city": "Oslo", "unit": "F"}))
-    rest = full[len(opener(NAMED)) - 0:]
+    rest = full[len(opener(NAMED)):]
     assert full.startswith(opener(NAMED)) and rest.endswith(CLOSE)
     g = guides.start(c)
     seen = walk(g, text_model, rest)
@@ -152,4 +151,3 @@ def test_validation_is_remembered(checker):
     n = len(checker.seen)
     checker.make(TOOLS, "required", None)
     assert len(checker.seen) == n
-    assert guidance.tokenizer  # the shared constructor is what both sides use
