@@ -1,6 +1,8 @@
 """Model throughput benchmark: load time, prefill and decode tokens/s, peak RSS, and the
 machine's own bf16 matmul throughput measured in the same run (prefill as a fraction of it),
-side by side with llama.cpp's figures for the same GGUF on 2 cores.
+side by side with llama.cpp measured in the same run on the same GGUF and threads (through
+llama-cpp-python when it is installed: `pip install llama-cpp-python` builds it for this CPU;
+without it the llama.cpp column stays empty, never filled from elsewhere).
 
     .venv/bin/python bench/bench_model.py [--dtype auto] [--chunk-size 512] [--repeats 3] [--quick] [--json]
 
@@ -35,13 +37,8 @@ import torch  # noqa: E402
 from common.config import Settings  # noqa: E402
 from procs.inference.model import KVSession, Llama  # noqa: E402
 from procs.inference.runtime import build  # noqa: E402
+from common.models import resolve  # noqa: E402
 
-# llama.cpp on the same GGUF (SmolLM2-135M-Instruct.Q4_1), 2 cores.
-LLAMA_CPP = {
-    "load_s": 0.2,
-    "prefill": {512: 412.0, 2048: 369.0, 8000: 213.0},
-    "decode": {512: 124.0, 2048: 97.0, 8000: 44.0},
-}
 PREFILL_TARGET = 1.0   # >= llama.cpp
 DECODE_TARGET = 0.7    # >= 70% of llama.cpp
 TOKEN_LO, TOKEN_HI = 100, 49000
@@ -247,6 +244,55 @@ def measure_matmul(dtype: torch.dtype, reps: int) -> dict:
     return mm
 
 
+def cpu_name() -> str:
+    """The CPU model and the flags that decide the kernels (named next to every figure)."""
+    try:
+        info = open("/proc/cpuinfo").read().split("\n\n")[0]
+    except OSError:
+        return platform.processor()
+    fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
+    flags = [f for f in fields.get("flags\t\t", "").split() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")]
+    name = fields.get("model name\t", "?").strip()
+    return f"{name} ({' '.join(flags) or 'no avx2'})"
+
+
+def measure_llama_cpp(path: str, sizes, dctx, steps: int, threads: int, reps: int, rng) -> dict | None:
+    """llama.cpp on the same GGUF, same threads, same prompt lengths, in this run (through
+    llama-cpp-python, built for this CPU by pip); None when it is not installed."""
+    try:
+        from llama_cpp import Llama as LlamaCpp
+    except ImportError:
+        log("llama.cpp: not measured (pip install llama-cpp-python builds it for this CPU)")
+        return None
+    need = max(list(sizes) + [n + steps + 1 for n in dctx] + [512])
+    with Timer() as t:
+        lc = LlamaCpp(model_path=path, n_ctx=need, n_threads=threads, n_threads_batch=threads,
+                      n_batch=512, verbose=False)
+    out = {"load_s": t.s, "prefill": {}, "decode": {}}
+    for n in sorted(set(sizes) | set(dctx)):
+        if n + (steps + 1 if n in dctx else 0) > need:
+            continue
+        times = []
+        for _ in range(reps if n in sizes else 1):
+            ids = rand_ids(rng, n)
+            lc.reset()                    # eval drops the KV rows past n_tokens
+            with Timer() as t:
+                lc.eval(ids)
+            times.append(t.s)
+        if n in sizes:
+            out["prefill"][n] = n / statistics.median(times)
+            log(f"  llama.cpp prefill {n}: {out['prefill'][n]:.1f} tok/s")
+        if n in dctx:
+            per = []
+            for tok in rand_ids(rng, steps):
+                with Timer() as t:
+                    lc.eval([tok])
+                per.append(t.s)
+            out["decode"][n] = 1.0 / statistics.median(per)
+            log(f"  llama.cpp decode @{n}: {out['decode'][n]:.1f} tok/s")
+    return out
+
+
 def run(args) -> dict:
     s = Settings(dtype=args.dtype, chunk_size=args.chunk_size, threads=args.threads)
     rng = random.Random(args.seed)
@@ -254,7 +300,7 @@ def run(args) -> dict:
     res: dict = {
         "settings": {"dtype": args.dtype, "chunk_size": args.chunk_size, "repeats": args.repeats,
                      "quick": args.quick},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "cpu": cpu_name(),
                     "torch": torch.__version__, "loadavg_start": os.getloadavg()[0]},
     }
     wall0 = time.perf_counter()
@@ -319,9 +365,6 @@ def run(args) -> dict:
             p = {"tokens": n, "seconds": med, "tok_s": n / med, "samples_s": times,
                  "wait": statistics.median(waits),
                  "gflop_per_token": flops / n / 1e9, "gflops": flops / med / 1e9}
-            ref = LLAMA_CPP["prefill"].get(n)
-            if ref:
-                p.update(llama_cpp_tok_s=ref, ratio=p["tok_s"] / ref, target_met=p["tok_s"] / ref >= PREFILL_TARGET)
             res["prefill"][n] = p
         if n in dctx:
             per, pw = bench_decode(sess, rng, steps)
@@ -335,13 +378,22 @@ def run(args) -> dict:
                  "tok_s": 1.0 / med, "ms_per_token_all_steps": statistics.median(per) * 1e3,
                  "p10_ms": srt[len(srt) // 10] * 1e3, "p90_ms": srt[(9 * len(srt)) // 10] * 1e3,
                  "wait": wait, "gflops": prefill_flops(model, 1, n + steps // 2) / med / 1e9}
-            ref = LLAMA_CPP["decode"].get(n)
-            if ref:
-                d.update(llama_cpp_tok_s=ref, ratio=d["tok_s"] / ref, target_met=d["tok_s"] / ref >= DECODE_TARGET)
             res["decode"][n] = d
             log(f"  decode @{n}: {d['tok_s']:.1f} tok/s ({d['ms_per_token']:.2f} ms/token over {len(use)}/{steps} "
                 f"steps; all steps {d['ms_per_token_all_steps']:.2f} ms; run-queue wait {100 * wait:.0f}%)")
         sess = None
+
+    if not args.no_llama_cpp:
+        log("llama.cpp, same GGUF and threads")
+        lc = measure_llama_cpp(resolve(s.model, s.models_path()), res["prefill"], res["decode"], steps,
+                               torch.get_num_threads(), 1 if args.quick else args.repeats, rng)
+        if lc:
+            res["llama_cpp"] = lc
+            for kind, target in (("prefill", PREFILL_TARGET), ("decode", DECODE_TARGET)):
+                for n, x in res[kind].items():
+                    ref = lc[kind].get(n)
+                    if ref:
+                        x.update(llama_cpp_tok_s=ref, ratio=x["tok_s"] / ref, target_met=x["tok_s"] / ref >= target)
 
     if args.chunk_sweep:
         res["chunk_sweep"] = chunk_sweep(model, args, rng)
@@ -371,7 +423,7 @@ def _grid(rows) -> list[str]:
 
 
 def table(res: dict) -> str:
-    rows = [("metric", "ricordo", "llama.cpp (2 cores)", "ratio", "target", "met", "run-queue wait")]
+    rows = [("metric", "ricordo", "llama.cpp (same run)", "ratio", "target", "met", "run-queue wait")]
 
     def add(name, ours, ref=None, fmt="{:.1f}", target=None, met=None, ratio=None, wait=None):
         rows.append((name, fmt.format(ours), "" if ref is None else fmt.format(ref),
@@ -380,8 +432,8 @@ def table(res: dict) -> str:
                      "" if wait is None else f"{100 * wait:.0f}%"))
 
     if "load_s" in res:
-        ref = LLAMA_CPP["load_s"]
-        add("load (s, lower is better)", res["load_s"], ref, "{:.2f}", ratio=res["load_s"] / ref)
+        ref = res.get("llama_cpp", {}).get("load_s")
+        add("load (s, lower is better)", res["load_s"], ref, "{:.2f}", ratio=res["load_s"] / ref if ref else None)
     for n, p in sorted(res["prefill"].items()):
         add(f"prefill {n} (tok/s)", p["tok_s"], p.get("llama_cpp_tok_s"), target=">= 1.00x" if "ratio" in p else None,
             met=p.get("target_met"), ratio=p.get("ratio"), wait=p["wait"])
@@ -414,6 +466,7 @@ def table(res: dict) -> str:
             for n, d in sorted(res["decode"].items())))
     st = res["settings"]
     out.append("")
+    out.append(f"CPU: {res['machine']['cpu']}, {res['machine']['cpus']} cores")
     out.append(f"dtype {st['dtype']} -> {st['compute_dtype']}, chunk {st['chunk_size']}, threads {st['threads']}, "
                f"repeats {st['repeats']}, decode steps {st['decode_steps']}, int4 decode kernels "
                f"{'on' if res['model']['int4_decode'] else 'off'}, RSS at end {res['rss_mb']:.0f} MiB, "
@@ -438,6 +491,7 @@ def main(argv=None) -> int:
                     help="contexts for decode (same defaults as --prefill-sizes)")
     ap.add_argument("--no-load", action="store_true", help="build once, do not report load time")
     ap.add_argument("--no-matmul", action="store_true")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="do not measure llama.cpp alongside")
     ap.add_argument("--max-wait", type=float, default=0.2,
                     help="a sample whose run-queue wait (time runnable but not running / wall x threads) "
                          "exceeds this counts as stolen by other processes: prefill retakes it, decode drops it")
