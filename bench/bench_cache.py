@@ -56,7 +56,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pipeline import Server, log, med  # noqa: E402
+from bench.bench_pipeline import Server, med  # noqa: E402
+from bench.report import emit, log  # noqa: E402
 
 SYSTEM = "You are a careful reading assistant. Answer questions about the notes the user shares."
 NEW_TOKENS = 200
@@ -669,13 +670,7 @@ def main(argv=None) -> int:
         shutil.rmtree(keep, ignore_errors=True)
     res["machine"]["loadavg_end"] = os.getloadavg()[0]
     res["wall_s"] = time.perf_counter() - t0
-    txt = table(res)
-    if args.json:
-        log(txt)
-        print(json.dumps(res, indent=2, default=str))
-    else:
-        print(txt)
-    return 0
+    return emit(table(res), res, args.json)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -38,14 +37,11 @@ from common.config import Settings  # noqa: E402
 from procs.inference.model import KVSession, Llama  # noqa: E402
 from procs.inference.runtime import build  # noqa: E402
 from common.models import resolve  # noqa: E402
+from bench.report import emit, log  # noqa: E402
 
 PREFILL_TARGET = 1.0   # >= llama.cpp
 DECODE_TARGET = 0.7    # >= 70% of llama.cpp
 TOKEN_LO, TOKEN_HI = 100, 49000
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 def rss_mb() -> tuple[float, float]:
@@ -510,13 +506,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     QUIET["max_s"], QUIET["idle"] = args.wait_quiet, args.quiet_idle
     res = run(args)
-    txt = table(res)
-    if args.json:
-        log(txt)
-        print(json.dumps(res, indent=2, default=str))
-    else:
-        print(txt)
-    return 0
+    return emit(table(res), res, args.json)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shutil
@@ -48,13 +47,10 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 
 from tests.e2e.server import Server as E2EServer  # noqa: E402
+from bench.report import emit, log  # noqa: E402
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France? Answer with one word."
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 def med(xs) -> float:
@@ -401,13 +397,7 @@ def main(argv=None) -> int:
         res["rps"] = [bench_rps(w, args.rps_runs, args.conns, args.seconds, tool) for w in args.workers]
     res["machine"]["loadavg_end"] = os.getloadavg()[0]
     res["wall_s"] = time.perf_counter() - t0
-    txt = table(res)
-    if args.json:
-        log(txt)
-        print(json.dumps(res, indent=2, default=str))
-    else:
-        print(txt)
-    return 0
+    return emit(table(res), res, args.json)
 
 
 if __name__ == "__main__":

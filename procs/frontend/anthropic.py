@@ -25,12 +25,12 @@ import secrets
 import falcon
 import msgspec
 
-from common.messages import (Accepted, ChatMessage, Finished, GenerateRequest, SamplingParams, ToolCall,
-                             ToolCallFunction)
-from common.params import ParamError, validate_sampling
-from procs.frontend import agents, errors
-from procs.frontend.agents import Job, Outline, bad, get_bool, get_int, get_num, json_text
-from procs.frontend.schema import UNTIL_FULL, check_model
+from common.messages import Accepted, ChatMessage, Finished, GenerateRequest, ToolCall, ToolCallFunction
+from procs.frontend import errors
+from procs.frontend.errors import bad
+from procs.frontend.fields import check_model, function_tool, get_bool, json_text, named_choice, sampling
+from procs.frontend.flow import Endpoint, Job, sse
+from procs.frontend.outline import Block, Blocks, Outline, Whole, matched_stop, parse_json_object
 
 log = logging.getLogger("web")
 
@@ -187,8 +187,8 @@ def _tools(body: dict) -> tuple[str, str]:
                           "({name, description, input_schema}) are")
             if not isinstance(t.get("input_schema"), dict):
                 raise bad(f"tools.{i}.input_schema", "a tool needs an 'input_schema' object")
-            chat.append(agents.chat_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}",
-                                         "input_schema"))
+            chat.append(function_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}",
+                                      "input_schema"))
             names.add(t["name"])
     out = None
     if choice is not None:
@@ -200,7 +200,7 @@ def _tools(body: dict) -> tuple[str, str]:
                 raise bad("tool_choice", "tool_choice 'any' needs tools")
             out = "required"
         elif kind == "tool":
-            out = agents.named_choice(choice.get("name"), names, "tool_choice.name")
+            out = named_choice(choice.get("name"), names, "tool_choice.name")
         else:
             raise bad("tool_choice", "'tool_choice' must be {\"type\": auto | any | tool | none}")
     return (json_text(chat) if chat else "", json_text(out) if out is not None else "")
@@ -221,23 +221,15 @@ def parse(body: dict, served_id: str, rid: str) -> Job:
     check_model(body, served_id)
     if body.get("max_tokens") is None:
         raise bad("max_tokens", "Field required")
-    mt = get_int(body, "max_tokens", lo=1)
+    params = sampling(body, "max_tokens", ("temperature", "top_p", "top_k"), lo=1)
     messages = _messages(body)
-    d = SamplingParams()
-    sampling = SamplingParams(max_tokens=min(mt, UNTIL_FULL), temperature=get_num(body, "temperature", d.temperature),
-                              top_p=get_num(body, "top_p", d.top_p),
-                              top_k=min(get_int(body, "top_k", d.top_k), UNTIL_FULL))
-    try:
-        validate_sampling(sampling)
-    except ParamError as e:
-        raise bad(e.param, str(e)) from None
     stops = _stops(body)
     tools, choice = _tools(body)
     stream = get_bool(body, "stream")
     # logprobs carry every sampled token's bytes: how the frontend tells which stop string ended it
     tc = body.get("tool_choice")
     parallel = not (isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True)
-    req = GenerateRequest(rid=rid, kind="chat", sampling=sampling, messages=tuple(messages), stop=stops,
+    req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(messages), stop=stops,
                           tools=tools, tool_choice=choice, logprobs=bool(stops), parallel_tool_calls=parallel)
     return Job(req, stream)
 
@@ -255,28 +247,29 @@ def stop_info(job: Job, outline: Outline, fin: Finished) -> tuple[str, str | Non
         return "tool_use", None
     if r == "length":
         return "max_tokens", None
-    seq = agents.matched_stop(job.req.stop, outline.raw, "".join(outline.text))
+    seq = matched_stop(job.req.stop, outline.raw, "".join(outline.text))
     return ("stop_sequence", seq) if seq is not None else ("end_turn", None)
 
 
-def block(b: agents.Block) -> dict:
+def block(b: Block) -> dict:
     if b.kind == "text":
         return {"type": "text", "text": b.text}
-    return {"type": "tool_use", "id": to_client_id(b.id), "name": b.name, "input": agents.parse_json_object(b.args)}
+    return {"type": "tool_use", "id": to_client_id(b.id), "name": b.name, "input": parse_json_object(b.args)}
 
 
-def _start_block(b: agents.Block) -> dict:
+def _start_block(b: Block) -> dict:
     if b.kind == "text":
         return {"type": "text", "text": ""}
     return {"type": "tool_use", "id": to_client_id(b.id), "name": b.name, "input": {}}
 
 
-class Shaper:
+class Shaper(Blocks):
     """message_start, content_block_start/delta/stop, message_delta, message_stop; `ping` as
     the keepalive. Tool input goes out whole at the block's close (the pieces of one call
     arrive together anyway), as JSON of an object."""
 
     def __init__(self, job: Job, mid: str, model: str, accepted: Accepted | None):
+        super().__init__()
         self.job, self.mid, self.model = job, mid, model
         self.prompt_tokens = accepted.prompt_tokens if accepted else 0
 
@@ -285,48 +278,51 @@ class Shaper:
                "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0,
                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
-        return [agents.sse("message_start", {"type": "message_start", "message": msg}), self.keepalive()]
+        return [sse("message_start", {"type": "message_start", "message": msg})] + self.keepalive()
 
-    def keepalive(self):
-        return agents.sse("ping", {"type": "ping"})
+    def keepalive(self) -> list:
+        return [sse("ping", {"type": "ping"})]
 
-    def ops(self, ops: list, outline: Outline) -> list:
+    def ops(self, ops: list) -> list:
         out = []
         for op in ops:
             b = op[1]
             if op[0] == "open":
-                out.append(agents.sse("content_block_start", {"type": "content_block_start", "index": b.index,
+                out.append(sse("content_block_start", {"type": "content_block_start", "index": b.index,
                                                               "content_block": _start_block(b)}))
             elif op[0] == "text":
-                out.append(agents.sse("content_block_delta", {"type": "content_block_delta", "index": b.index,
+                out.append(sse("content_block_delta", {"type": "content_block_delta", "index": b.index,
                                                               "delta": {"type": "text_delta", "text": op[2]}}))
             elif op[0] == "close":
                 if b.kind == "call":
-                    js = json_text(agents.parse_json_object(b.args))
-                    out.append(agents.sse("content_block_delta", {
+                    js = json_text(parse_json_object(b.args))
+                    out.append(sse("content_block_delta", {
                         "type": "content_block_delta", "index": b.index,
                         "delta": {"type": "input_json_delta", "partial_json": js}}))
-                out.append(agents.sse("content_block_stop", {"type": "content_block_stop", "index": b.index}))
+                out.append(sse("content_block_stop", {"type": "content_block_stop", "index": b.index}))
         return out
 
-    def finish(self, fin: Finished, outline: Outline) -> list:
-        out = self.ops(outline.close(), outline)
-        reason, seq = stop_info(self.job, outline, fin)
-        out.append(agents.sse("message_delta", {"type": "message_delta",
+    def end(self, fin: Finished) -> list:
+        out = []
+        reason, seq = stop_info(self.job, self.outline, fin)
+        out.append(sse("message_delta", {"type": "message_delta",
                                                 "delta": {"stop_reason": reason, "stop_sequence": seq},
                                                 "usage": usage(fin.usage)}))
-        out.append(agents.sse("message_stop", {"type": "message_stop"}))
+        out.append(sse("message_stop", {"type": "message_stop"}))
         return out
 
     def fail(self, status: int, message: str, err_type: str, code, param) -> list:
-        return [agents.sse("error", error_body(status, message))]
+        return [sse("error", error_body(status, message))]
 
 
-class Messages(agents.Endpoint):
+class Messages(Endpoint):
     """POST /v1/messages."""
 
     def parse(self, body: dict, rid: str) -> Job:
         return parse(body, self.model_id, rid)
+
+    def collector(self, job: Job) -> Whole:
+        return Whole(lambda outline, fin: self.whole(job, outline, fin))
 
     def whole(self, job: Job, outline: Outline, fin: Finished) -> dict:
         reason, seq = stop_info(job, outline, fin)

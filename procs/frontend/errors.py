@@ -57,10 +57,6 @@ def from_failed(ev: Failed) -> ApiError:
                     headers=headers)
 
 
-def failed_body(ev: Failed) -> dict:
-    return error_body(ev.message, ev.err_type, ev.param, ev.code)
-
-
 def _falcon_body(req: falcon.Request, ex: falcon.HTTPError) -> dict:
     status = ex.status_code
     if isinstance(ex, ApiError):

@@ -17,12 +17,12 @@ import time
 
 import falcon.asgi
 
-from common.messages import (Accepted, ChatMessage, Finished, GenerateRequest, SamplingParams, ToolCall,
-                             ToolCallFunction)
-from common.params import ParamError, validate_sampling
-from procs.frontend import agents
-from procs.frontend.agents import Block, Job, Outline, bad, get_bool, get_int, get_num, json_text
-from procs.frontend.schema import UNTIL_FULL, check_model, output_format
+from common.messages import Accepted, ChatMessage, Finished, GenerateRequest, ToolCall, ToolCallFunction
+from procs.frontend.errors import bad
+from procs.frontend.fields import (check_model, function_tool, get_bool, json_text, named_choice,
+                                   output_format, sampling)
+from procs.frontend.flow import Endpoint, Job, sse
+from procs.frontend.outline import Block, Blocks, Outline, Whole
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -123,8 +123,8 @@ def _tools(body: dict) -> tuple[str, str, set]:
         for i, t in enumerate(tools):
             if t.get("type") != "function":
                 raise bad(f"tools[{i}].type", f"tool type {t.get('type')!r} is not supported; only 'function' is")
-            chat.append(agents.chat_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]",
-                                         strict=t.get("strict")))
+            chat.append(function_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]",
+                                      strict=t.get("strict")))
             names.add(t["name"])
     out = None
     if choice is not None:
@@ -133,7 +133,7 @@ def _tools(body: dict) -> tuple[str, str, set]:
                 raise bad("tool_choice", "'tool_choice' is required but no tools were given")
             out = choice
         elif isinstance(choice, dict) and choice.get("type") == "function":
-            out = agents.named_choice(choice.get("name"), names, "tool_choice")
+            out = named_choice(choice.get("name"), names, "tool_choice")
         else:
             raise bad("tool_choice", "'tool_choice' must be none, auto, required or "
                       "{\"type\": \"function\", \"name\": ...}")
@@ -154,22 +154,14 @@ def parse(body: dict, served_id: str, rid: str) -> Job:
         raise bad("text", "'text' must be an object")
     out_format = output_format((fmt or {}).get("format"), "text.format", "")
     messages = _messages(body)
-    mt = get_int(body, "max_output_tokens", lo=1)
-    d = SamplingParams()
-    sampling = SamplingParams(max_tokens=UNTIL_FULL if mt is None else min(mt, UNTIL_FULL),
-                              temperature=get_num(body, "temperature", d.temperature),
-                              top_p=get_num(body, "top_p", d.top_p))
-    try:
-        validate_sampling(sampling)
-    except ParamError as e:
-        raise bad(e.param, str(e)) from None
+    params = sampling(body, "max_output_tokens", ("temperature", "top_p"), lo=1)
     tools, choice, _ = _tools(body)
     stream = get_bool(body, "stream")
     get_bool(body, "store")
-    req = GenerateRequest(rid=rid, kind="chat", sampling=sampling, messages=tuple(messages),
+    req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(messages),
                           tools=tools, tool_choice=choice, response_format=out_format,
                           parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True)
-    return Job(req, stream, body=body, max_output_tokens=mt)
+    return Job(req, stream, body=body)
 
 
 # -- response ------------------------------------------------------------------------------
@@ -211,7 +203,7 @@ class Head:
         body = job.info["body"]
         self.id, self.created = "resp_" + _hex(), int(time.time())
         tools = body.get("tools") or []
-        self.fixed = {"instructions": body.get("instructions"), "max_output_tokens": job.info["max_output_tokens"],
+        self.fixed = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                       "metadata": body.get("metadata") or {}, "model": model,
                       "parallel_tool_calls": body.get("parallel_tool_calls", True),
                       "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
@@ -231,10 +223,11 @@ class Head:
         return d
 
 
-class Shaper:
+class Shaper(Blocks):
     """Streamed events: `event: <type>`, data with "type" and an increasing sequence_number."""
 
     def __init__(self, head: Head):
+        super().__init__()
         self.head, self.seq = head, 0
         self.done: list[dict] = []      # output items finished so far
         self.length = False
@@ -242,16 +235,16 @@ class Shaper:
     def _ev(self, kind: str, **fields):
         d = {"type": kind, **fields, "sequence_number": self.seq}
         self.seq += 1
-        return agents.sse(kind, d)
+        return sse(kind, d)
 
     def start(self) -> list:
         r = self.head.obj([], None)
         return [self._ev("response.created", response=r), self._ev("response.in_progress", response=r)]
 
-    def keepalive(self):
-        return falcon.asgi.SSEvent(comment="keepalive")
+    def keepalive(self) -> list:
+        return [falcon.asgi.SSEvent(comment="keepalive")]
 
-    def ops(self, ops: list, outline: Outline) -> list:
+    def ops(self, ops: list) -> list:
         out = []
         for op in ops:
             b = op[1]
@@ -280,28 +273,32 @@ class Shaper:
                 out.append(self._ev("response.output_item.done", output_index=b.index, item=done))
         return out
 
-    def finish(self, fin: Finished, outline: Outline) -> list:
-        self.length = fin.finish_reason == "length"
-        out = self.ops(outline.close(), outline)
+    def finish(self, fin: Finished) -> list:
+        self.length = fin.finish_reason == "length"     # before the open block closes: its status
+        return super().finish(fin)
+
+    def end(self, fin: Finished) -> list:
         r = self.head.obj(self.done, fin)
-        return out + [self._ev("response.incomplete" if r["status"] == "incomplete" else "response.completed", response=r)]
+        return [self._ev("response.incomplete" if r["status"] == "incomplete" else "response.completed", response=r)]
 
     def fail(self, status: int, message: str, err_type: str, code, param) -> list:
         err = {"code": code or err_type, "message": message}
         return [self._ev("response.failed", response=self.head.obj(self.done, None, err))]
 
 
-class Responses(agents.Endpoint):
+class Responses(Endpoint):
     """POST /v1/responses."""
 
     def parse(self, body: dict, rid: str) -> Job:
         return parse(body, self.model_id, rid)
 
-    def whole(self, job: Job, outline: Outline, fin: Finished) -> dict:
-        status = _status(fin)
-        output = [item(b, "incomplete" if status == "incomplete" and b.kind == "text" else "completed")
-                  for b in outline.blocks]
-        return Head(job, self.model_id).obj(output, fin)
+    def collector(self, job: Job) -> Whole:
+        def build(outline: Outline, fin: Finished) -> dict:
+            status = _status(fin)
+            output = [item(b, "incomplete" if status == "incomplete" and b.kind == "text" else "completed")
+                      for b in outline.blocks]
+            return Head(job, self.model_id).obj(output, fin)
+        return Whole(build)
 
     def shaper(self, job: Job, accepted: Accepted | None) -> Shaper:
         return Shaper(Head(job, self.model_id))

@@ -6,97 +6,19 @@ need the tokenizer (the context length) are the renderer's to report.
 """
 from __future__ import annotations
 
-import re
-
-from dataclasses import dataclass
-
-import msgspec
-
 from common.messages import ChatMessage, GenerateRequest, SamplingParams, ToolCall, ToolCallFunction
-from common.params import ParamError, validate_sampling
-from procs.frontend.errors import ApiError, bad
+from procs.frontend.errors import bad
+from procs.frontend.fields import (check_model, function_tool, get_bool, get_int, json_text, named_choice,
+                                   output_format, sampling)
+from procs.frontend.flow import Job
 
-UNTIL_FULL = 1 << 30        # no max_tokens: the renderer clamps it to the context left
 MAX_STOPS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_I64_MIN, _U64_END = -(1 << 63), 1 << 64
-
-
-@dataclass(frozen=True)
-class Parsed:
-    req: GenerateRequest
-    stream: bool
-    include_usage: bool
-
-
-# -- typed getters: None (or absent) means the default -----------------------------------
-
-def get_int(body: dict, key: str, default=None, lo: int | None = None):
-    v = body.get(key)
-    if v is None:
-        return default
-    if type(v) is not int:
-        raise bad(key, f"'{key}' must be an integer")
-    if not _I64_MIN <= v < _U64_END:
-        raise bad(key, f"'{key}' is out of range")
-    if lo is not None and v < lo:
-        raise bad(key, f"'{key}' must be >= {lo}")
-    return v
-
-
-def get_num(body: dict, key: str, default: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if type(v) not in (int, float):
-        raise bad(key, f"'{key}' must be a number")
-    try:
-        f = float(v)
-    except OverflowError:           # an int beyond float range
-        raise bad(key, f"'{key}' is out of range") from None
-    if f != f or f in (float("inf"), float("-inf")):
-        raise bad(key, f"'{key}' must be a finite number")
-    return f
-
-
-def get_bool(body: dict, key: str, default: bool = False) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if type(v) is not bool:
-        raise bad(key, f"'{key}' must be a boolean")
-    return v
-
-
-def check_model(body: dict, served_id: str) -> None:
-    model = body.get("model")
-    if model is None or model == "":
-        return
-    if not isinstance(model, str):
-        raise bad("model", "'model' must be a string")
-    if model != served_id:
-        raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
-                       param="model", code="model_not_found")
 
 
 def _sampling(body: dict, top_logprobs: int) -> SamplingParams:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    mt = get_int(body, key)
-    if mt is not None and mt < 0:
-        raise bad(key, f"'{key}' must be >= 0")
-    d = SamplingParams()
-    seed = get_int(body, "seed")
-    p = SamplingParams(max_tokens=UNTIL_FULL if mt is None else min(mt, UNTIL_FULL),
-                       temperature=get_num(body, "temperature", d.temperature),
-                       top_p=get_num(body, "top_p", d.top_p),
-                       top_k=min(get_int(body, "top_k", d.top_k), UNTIL_FULL),
-                       min_p=get_num(body, "min_p", d.min_p),
-                       seed=seed, top_logprobs=top_logprobs)
-    try:
-        validate_sampling(p)
-    except ParamError as e:
-        raise bad(key if e.param == "max_tokens" else e.param, str(e)) from None
-    return p
+    return sampling(body, key, ("temperature", "top_p", "top_k", "min_p", "seed"), top_logprobs)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -129,10 +51,6 @@ def _stream(body: dict) -> tuple[bool, bool]:
     if usage is not None and type(usage) is not bool:
         raise bad("stream_options.include_usage", "'include_usage' must be a boolean")
     return stream, bool(usage)
-
-
-def json_text(v) -> str:
-    return msgspec.json.encode(v).decode()
 
 
 # -- chat --------------------------------------------------------------------------------
@@ -208,10 +126,9 @@ def _message(i: int, msg) -> ChatMessage:
     return ChatMessage(role=role, content=content or "", tool_calls=calls, tool_call_id=call_id, name=name)
 
 
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")   # tool and schema names, every API
-
-
 def _tools(body: dict) -> tuple[str, str]:
+    """Validated through the one function-tool check; passed on as the client sent them (the
+    rendered prompt, and so the cache key, keeps every key the client gave)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     names = set()
     if tools is not None:
@@ -224,16 +141,9 @@ def _tools(body: dict) -> tuple[str, str]:
             fn = t.get("function")
             if not isinstance(fn, dict):
                 raise bad(f"{at}.function", "a tool needs a 'function' object")
-            name = fn.get("name")
-            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-                raise bad(f"{at}.function.name", "a function needs a 'name' of 1-64 letters, digits, '_', '-', '.'")
-            if "parameters" in fn and not isinstance(fn["parameters"], dict):
-                raise bad(f"{at}.function.parameters", "'parameters' must be a JSON Schema object")
-            if "description" in fn and not isinstance(fn["description"], str):
-                raise bad(f"{at}.function.description", "'description' must be a string")
-            if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-                raise bad(f"{at}.function.strict", "'strict' must be a boolean")
-            names.add(name)
+            function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{at}.function",
+                          strict=fn.get("strict"))
+            names.add(fn["name"])
     if choice is not None:
         if isinstance(choice, str):
             if choice not in ("none", "auto", "required"):
@@ -245,43 +155,13 @@ def _tools(body: dict) -> tuple[str, str]:
             name = fn.get("name") if isinstance(fn, dict) else None
             if choice.get("type") != "function" or not isinstance(name, str):
                 raise bad("tool_choice", "a named 'tool_choice' is {\"type\": \"function\", \"function\": {\"name\": ...}}")
-            if name not in names:
-                raise bad("tool_choice", f"'tool_choice' names {name!r}, which is not among the tools")
+            named_choice(name, names, "tool_choice")
         else:
             raise bad("tool_choice", "'tool_choice' must be a string or an object")
     return (json_text(tools) if tools else "", json_text(choice) if choice is not None else "")
 
 
-def output_format(fmt, param: str, schema_at: str) -> str:
-    """A response format ({"type": "text" | "json_object" | "json_schema", ...}) as the
-    renderer takes it: "" for text, else {"type", "schema", "strict"} as JSON. `schema_at`
-    is where the schema sits below `param` (chat nests it in "json_schema", Responses not)."""
-    if fmt is None:
-        return ""
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return ""
-    if kind == "json_object":
-        return json_text({"type": "json_object"})
-    if kind != "json_schema":
-        raise bad(f"{param}.type", f"'{param}.type' must be text, json_object or json_schema")
-    holder = fmt.get(schema_at) if schema_at else fmt
-    where = f"{param}.{schema_at}" if schema_at else param
-    if not isinstance(holder, dict):
-        raise bad(where, f"'{where}' must be an object")
-    name = holder.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise bad(f"{where}.name", "a json_schema needs a 'name' of 1-64 letters, digits, '_', '-', '.'")
-    schema = holder.get("schema", {})
-    if not isinstance(schema, dict):
-        raise bad(f"{where}.schema", "'schema' must be a JSON Schema object")
-    strict = holder.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise bad(f"{where}.strict", "'strict' must be a boolean")
-    return json_text({"type": "json_schema", "schema": schema, "strict": bool(strict)})
-
-
-def parse_chat(body: dict, served_id: str, rid: str) -> Parsed:
+def parse_chat(body: dict, served_id: str, rid: str) -> Job:
     check_model(body, served_id)
     msgs = body.get("messages")
     if msgs is None:
@@ -294,14 +174,14 @@ def parse_chat(body: dict, served_id: str, rid: str) -> Parsed:
     top = get_int(body, "top_logprobs", 0)
     if top and not logprobs:
         raise bad("top_logprobs", "'logprobs' must be true when 'top_logprobs' is used")
-    sampling = _sampling(body, top)
+    params = _sampling(body, top)
     stream, usage = _stream(body)
     tools, choice = _tools(body)
-    req = GenerateRequest(rid=rid, kind="chat", sampling=sampling, messages=messages, stop=_stop(body),
+    req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=messages, stop=_stop(body),
                           tools=tools, tool_choice=choice, logprobs=logprobs,
                           response_format=output_format(body.get("response_format"), "response_format", "json_schema"),
                           parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True)
-    return Parsed(req, stream, usage)
+    return Job(req, stream, include_usage=usage)
 
 
 # -- completions -------------------------------------------------------------------------
@@ -320,7 +200,7 @@ def _prompt(body: dict) -> str:
     return p
 
 
-def parse_completion(body: dict, served_id: str, rid: str) -> Parsed:
+def parse_completion(body: dict, served_id: str, rid: str) -> Job:
     check_model(body, served_id)
     prompt = _prompt(body)
     _n(body)
@@ -339,8 +219,8 @@ def parse_completion(body: dict, served_id: str, rid: str) -> Parsed:
         lp = get_int(body, "logprobs")
         if not 0 <= lp <= 20:
             raise bad("logprobs", "'logprobs' must be between 0 and 20")
-    sampling = _sampling(body, lp or 0)
+    params = _sampling(body, lp or 0)
     stream, usage = _stream(body)
-    req = GenerateRequest(rid=rid, kind="completion", sampling=sampling, prompt=prompt, stop=_stop(body),
+    req = GenerateRequest(rid=rid, kind="completion", sampling=params, prompt=prompt, stop=_stop(body),
                           logprobs=lp is not None)
-    return Parsed(req, stream, usage)
+    return Job(req, stream, include_usage=usage)

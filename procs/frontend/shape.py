@@ -6,8 +6,6 @@ renderer already resolved. Plain dicts, encoded by msgspec.
 """
 from __future__ import annotations
 
-import msgspec
-
 from common.messages import Delta, TokenLogprob, Usage
 
 LOGPROB_FLOOR = -9999.0     # JSON has no -inf
@@ -15,10 +13,6 @@ LOGPROB_FLOOR = -9999.0     # JSON has no -inf
 
 def _lp(v: float) -> float:
     return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR
-
-
-def encode(obj) -> bytes:
-    return msgspec.json.encode(obj)
 
 
 def usage(u: Usage) -> dict:

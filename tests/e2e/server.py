@@ -63,7 +63,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
+class Clients:
+    """Clients of a server at `self.port`: `timeout_s` long, no retries."""
+    port: int
+    timeout_s = 120.0
+    _client = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        """An `openai.OpenAI` for this server. Without arguments, the same one each time (it
+        stays usable across a restart: same port)."""
+        import openai
+        if not kw and self._client is not None:
+            return self._client
+        c = openai.OpenAI(base_url=self.base_url + "/v1", **{"api_key": "x", "timeout": self.timeout_s,
+                                                            "max_retries": 0, **kw})
+        if not kw:
+            self._client = c
+        return c
+
+    def http(self, **kw) -> httpx.Client:
+        kw.setdefault("timeout", self.timeout_s)
+        return httpx.Client(base_url=self.base_url, **kw)
+
+    def tail(self) -> str:
+        return ""
+
+    def poll_health(self, timeout: float, dead, error: type[Exception], every: float = 0.3) -> dict:
+        """GET /health until it is 200 (its JSON). `dead()` names what exited early, if anything;
+        that, or no 200 within `timeout`, raises `error` with the logs' tail."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        with httpx.Client(timeout=5.0) as c:
+            while time.monotonic() < deadline:
+                gone = dead()
+                if gone:
+                    raise error(f"{gone} before /health was 200\n" + self.tail())
+                try:
+                    r = c.get(self.base_url + "/health")
+                    if r.status_code == 200:
+                        return r.json()
+                    last = f"{r.status_code} {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    last = repr(e)
+                time.sleep(every)
+        raise error(f"/health not 200 after {timeout:.0f} s (last: {last})\n" + self.tail())
+
+
+class Server(Clients):
     """One `honcho start` of the Procfile. `env` adds to (and overrides) the environment,
     e.g. WEB_CONCURRENCY, RICORDO_CTX_SIZE, RICORDO_KV_DISK_DIR; `concurrency` maps a
     process type to its count (honcho's `-c web=2`)."""
@@ -83,28 +133,6 @@ class Server:
         self.health: dict | None = None
         self._log = None
         self._known: dict[int, psutil.Process] = {}
-        self._client = None
-
-    # -- addresses and clients --
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kw):
-        """An `openai.OpenAI` for this server (no retries, 120 s timeout). Without arguments,
-        the same one each time (it stays usable across restart(): same port)."""
-        import openai
-        if not kw and self._client is not None:
-            return self._client
-        opts = {"timeout": 120.0, "max_retries": 0, **kw}
-        c = openai.OpenAI(base_url=self.base_url + "/v1", api_key="x", **opts)
-        if not kw:
-            self._client = c
-        return c
-
-    def http(self, **kw) -> httpx.Client:
-        kw.setdefault("timeout", 120.0)
-        return httpx.Client(base_url=self.base_url, **kw)
 
     # -- lifecycle --
     def env(self) -> dict[str, str]:
@@ -140,24 +168,12 @@ class Server:
         return self
 
     def wait_healthy(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        with httpx.Client(timeout=5.0) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise ServerError(f"honcho exited with {self.proc.returncode} before /health was 200\n"
-                                      + self.tail())
-                try:
-                    r = c.get(self.base_url + "/health")
-                    if r.status_code == 200:
-                        self.health = r.json()
-                        self.processes()        # remember every process while all are up
-                        return self.health
-                    last = f"{r.status_code} {r.text[:200]}"
-                except httpx.HTTPError as e:
-                    last = repr(e)
-                time.sleep(0.5)
-        raise ServerError(f"/health not 200 after {timeout:.0f} s (last: {last})\n" + self.tail())
+        def dead():
+            if self.proc.poll() is not None:
+                return f"honcho exited with {self.proc.returncode}"
+        self.health = self.poll_health(timeout, dead, ServerError)
+        self.processes()        # remember every process while all are up
+        return self.health
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -32,7 +32,7 @@ import psutil
 
 from tests.e2e.cachedir import entries, longest_prefix_entry, temp_files, text_model  # noqa: F401 (for the tests)
 from tests.e2e.cachedir import settle as _settle
-from tests.e2e.server import REPO, child_env, free_port
+from tests.e2e.server import REPO, Clients, child_env, free_port
 
 PROCS = ("web", "renderer", "inference", "persister")
 START_TIMEOUT_S = float(os.environ.get("RICORDO_STRESS_START_TIMEOUT", "240"))
@@ -67,7 +67,9 @@ class ClusterError(RuntimeError):
     pass
 
 
-class Cluster:
+class Cluster(Clients):
+    timeout_s = 300.0
+
     def __init__(self, env: dict[str, str] | None = None, name: str = "stress", kv: bool = True,
                  trace: bool = True):
         self.tmp = Path(tempfile.mkdtemp(prefix=f"ricordo-{name}-"))
@@ -86,25 +88,6 @@ class Cluster:
         self.known: dict[str, list[psutil.Process]] = {}
         self.starts = {p: 0 for p in PROCS}
         self.health: dict | None = None
-        self._client = None
-
-    # -- addresses --
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kw):
-        import openai
-        if not kw and self._client is not None:
-            return self._client
-        c = openai.OpenAI(base_url=self.base_url + "/v1", **{"api_key": "x", "timeout": 300.0, "max_retries": 0, **kw})
-        if not kw:
-            self._client = c
-        return c
-
-    def http(self, **kw) -> httpx.Client:
-        kw.setdefault("timeout", 300.0)
-        return httpx.Client(base_url=self.base_url, **kw)
 
     @property
     def model(self) -> str:
@@ -272,25 +255,13 @@ class Cluster:
     # -- waiting --
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict:
         """/health 200: web up, renderer answering, inference heard from lately."""
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        with httpx.Client(timeout=5.0) as c:
-            while time.monotonic() < deadline:
-                gone = self.dead()
-                if gone:
-                    raise ClusterError(f"{gone} exited before /health was 200\n" + self.tail())
-                try:
-                    r = c.get(self.base_url + "/health")
-                    if r.status_code == 200:
-                        self.health = r.json()
-                        for n in PROCS:
-                            self.processes(n)
-                        return self.health
-                    last = f"{r.status_code} {r.text[:200]}"
-                except httpx.HTTPError as e:
-                    last = repr(e)
-                time.sleep(0.3)
-        raise ClusterError(f"/health not 200 after {timeout:.0f} s (last: {last})\n" + self.tail())
+        def dead():
+            gone = self.dead()
+            return f"{gone} exited" if gone else None
+        self.health = self.poll_health(timeout, dead, ClusterError)
+        for n in PROCS:
+            self.processes(n)
+        return self.health
 
     def wait_answering(self, timeout: float = START_TIMEOUT_S) -> float:
         """Until the web answers anything (any status of GET /health): the first moment a

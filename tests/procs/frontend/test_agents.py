@@ -12,9 +12,9 @@ import pytest
 from common.config import Settings
 from common.messages import (Accepted, Delta, Failed, Finished, SamplingParams, TokenLogprob, ToolCallDelta,
                              Usage)
-from procs.frontend import app as app_mod
+from procs.frontend import flow
 from procs.frontend.app import create_app
-from procs.frontend.schema import UNTIL_FULL
+from procs.frontend.fields import UNTIL_FULL
 from tests.procs.frontend.fakes import MODEL, FakeBackend, Resp, drive
 
 USAGE = Usage(prompt_tokens=70, completion_tokens=12, cached_tokens=50)
@@ -257,7 +257,7 @@ def test_responses_failures():
 
 
 def test_responses_keepalive(monkeypatch):
-    monkeypatch.setattr(app_mod, "KEEPALIVE_S", 0.02)
+    monkeypatch.setattr(flow, "KEEPALIVE_S", 0.02)
 
     def slow(rid, req):
         return [Accepted(rid=rid, prompt_tokens=1), 0.15] + text_script(rid, req)[1:]
@@ -420,7 +420,7 @@ def test_messages_stream_events():
 
 
 def test_messages_ping_keepalive_and_failures(monkeypatch):
-    monkeypatch.setattr(app_mod, "KEEPALIVE_S", 0.02)
+    monkeypatch.setattr(flow, "KEEPALIVE_S", 0.02)
 
     def slow(rid, req):
         return [Accepted(rid=rid, prompt_tokens=1), 0.15, Delta(rid=rid, text="a"),

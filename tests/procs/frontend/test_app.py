@@ -15,10 +15,11 @@ from common.config import Settings
 from common.messages import (Accepted, CancelRequest, Delta, Failed, Finished, GenerateRequest, Health,
                              PingRequest, RendererIn, SamplingParams)
 from common.sockets import RENDERER, address
-from procs.frontend import app as app_mod
+from procs.frontend import flow
 from procs.frontend.app import create_app
 from procs.frontend.backend import NOT_ANSWERING, ZmqBackend
-from procs.frontend.schema import MAX_STOPS, UNTIL_FULL
+from procs.frontend.fields import UNTIL_FULL
+from procs.frontend.schema import MAX_STOPS
 from procs.frontend.shape import LOGPROB_FLOOR
 from tests.procs.frontend.fakes import MODEL, USAGE, FakeBackend, Resp, drive, ok_script
 
@@ -164,7 +165,7 @@ def test_chat_stream_no_usage_and_logprobs():
 
 
 def test_stream_keepalive(monkeypatch):
-    monkeypatch.setattr(app_mod, "KEEPALIVE_S", 0.02)
+    monkeypatch.setattr(flow, "KEEPALIVE_S", 0.02)
 
     def slow(rid, req):
         return [Accepted(rid=rid, prompt_tokens=1), 0.15, Delta(rid=rid, text="x"),

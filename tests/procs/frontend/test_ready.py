@@ -13,7 +13,7 @@ from common.config import Settings
 from common.messages import (Accepted, Delta, Failed, Finished, GenerateRequest, Health, RendererIn,
                              SamplingParams, Waiting)
 from common.sockets import RENDERER, address
-from procs.frontend import app as app_mod
+from procs.frontend import flow
 from procs.frontend.backend import NO_RENDERER_YET, ZmqBackend
 
 from tests.procs.frontend.fakes import MODEL, USAGE
@@ -43,7 +43,7 @@ def test_models_answer_only_when_ready():
 
 
 def test_a_waiting_request_streams_keepalives_then_its_answer(monkeypatch):
-    monkeypatch.setattr(app_mod, "KEEPALIVE_S", 0.02)
+    monkeypatch.setattr(flow, "KEEPALIVE_S", 0.02)
     be, c = make(waiting_script)
     r = c.simulate_post("/v1/chat/completions", json=chat_body(stream=True))
     ev = sse(r.text)

@@ -1,0 +1,152 @@
+"""Request fields every API shares: typed getters, the model check, sampling, tools.
+
+Knows the JSON bodies of the four APIs and the wire messages; nothing of tokens or templates.
+A getter raises a 400 that names the param; None (or absent) means the default. A function
+tool is validated only here (`function_tool`), whatever API it came from.
+"""
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from common.messages import SamplingParams
+from common.params import ParamError, validate_sampling
+from procs.frontend.errors import ApiError, bad
+
+UNTIL_FULL = 1 << 30        # no max_tokens: the renderer clamps it to the context left
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")   # tool and schema names, every API
+_I64_MIN, _U64_END = -(1 << 63), 1 << 64
+
+
+def json_text(v) -> str:
+    return msgspec.json.encode(v).decode()
+
+
+def get_int(body: dict, key: str, default=None, lo: int | None = None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if type(v) is not int:
+        raise bad(key, f"'{key}' must be an integer")
+    if not _I64_MIN <= v < _U64_END:
+        raise bad(key, f"'{key}' is out of range")
+    if lo is not None and v < lo:
+        raise bad(key, f"'{key}' must be >= {lo}")
+    return v
+
+
+def get_num(body: dict, key: str, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if type(v) not in (int, float):
+        raise bad(key, f"'{key}' must be a number")
+    try:
+        f = float(v)
+    except OverflowError:           # an int beyond float range
+        raise bad(key, f"'{key}' is out of range") from None
+    if f != f or f in (float("inf"), float("-inf")):
+        raise bad(key, f"'{key}' must be a finite number")
+    return f
+
+
+def get_bool(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        raise bad(key, f"'{key}' must be a boolean")
+    return v
+
+
+def check_model(body: dict, served_id: str) -> None:
+    model = body.get("model")
+    if model is None or model == "":
+        return
+    if not isinstance(model, str):
+        raise bad("model", "'model' must be a string")
+    if model != served_id:
+        raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")
+
+
+def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int = 0,
+             lo: int = 0) -> SamplingParams:
+    """The sampling fields the API has (`keys`, among temperature, top_p, top_k, min_p, seed)
+    and its token limit (`max_key`; absent: until the context is full). The one place the
+    limit is clamped before the renderer fits it to the context."""
+    mt = get_int(body, max_key)
+    if mt is not None and mt < lo:
+        raise bad(max_key, f"'{max_key}' must be >= {lo}")
+    d = SamplingParams()
+    p = SamplingParams(max_tokens=UNTIL_FULL if mt is None else min(mt, UNTIL_FULL),
+                       temperature=get_num(body, "temperature", d.temperature) if "temperature" in keys else d.temperature,
+                       top_p=get_num(body, "top_p", d.top_p) if "top_p" in keys else d.top_p,
+                       top_k=min(get_int(body, "top_k", d.top_k), UNTIL_FULL) if "top_k" in keys else d.top_k,
+                       min_p=get_num(body, "min_p", d.min_p) if "min_p" in keys else d.min_p,
+                       seed=get_int(body, "seed") if "seed" in keys else None,
+                       top_logprobs=top_logprobs)
+    try:
+        validate_sampling(p)
+    except ParamError as e:
+        raise bad(max_key if e.param == "max_tokens" else e.param, str(e)) from None
+    return p
+
+
+def function_tool(name, description, parameters, at: str, schema_key: str = "parameters",
+                  strict=None, name_at: str | None = None) -> dict:
+    """One function tool in the chat shape ({"type": "function", "function": {...}}), keys in
+    the order a chat client sends them, so the same tools render (and cache) alike from every
+    API. `at` is where the tool sits in the request, for the 400s."""
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise bad(name_at or f"{at}.name", "a tool needs a 'name' of 1-64 letters, digits, '_', '-', '.'")
+    fn: dict = {"name": name}
+    if description is not None:
+        if not isinstance(description, str):
+            raise bad(f"{at}.description", "'description' must be a string")
+        fn["description"] = description
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise bad(f"{at}.{schema_key}", f"'{schema_key}' must be a JSON Schema object")
+        fn["parameters"] = parameters
+    if strict is not None:
+        if not isinstance(strict, bool):
+            raise bad(f"{at}.strict", "'strict' must be a boolean")
+        fn["strict"] = strict
+    return {"type": "function", "function": fn}
+
+
+def named_choice(name, names: set, param: str) -> dict:
+    if not isinstance(name, str) or name not in names:
+        raise bad(param, f"'{param}' names {name!r}, which is not among the tools")
+    return {"type": "function", "function": {"name": name}}
+
+
+def output_format(fmt, param: str, schema_at: str) -> str:
+    """A response format ({"type": "text" | "json_object" | "json_schema", ...}) as the
+    renderer takes it: "" for text, else {"type", "schema", "strict"} as JSON. `schema_at`
+    is where the schema sits below `param` (chat nests it in "json_schema", Responses not)."""
+    if fmt is None:
+        return ""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return json_text({"type": "json_object"})
+    if kind != "json_schema":
+        raise bad(f"{param}.type", f"'{param}.type' must be text, json_object or json_schema")
+    holder = fmt.get(schema_at) if schema_at else fmt
+    where = f"{param}.{schema_at}" if schema_at else param
+    if not isinstance(holder, dict):
+        raise bad(where, f"'{where}' must be an object")
+    name = holder.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise bad(f"{where}.name", "a json_schema needs a 'name' of 1-64 letters, digits, '_', '-', '.'")
+    schema = holder.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad(f"{where}.schema", "'schema' must be a JSON Schema object")
+    strict = holder.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad(f"{where}.strict", "'strict' must be a boolean")
+    return json_text({"type": "json_schema", "schema": schema, "strict": bool(strict)})

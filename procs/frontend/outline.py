@@ -1,0 +1,128 @@
+"""The outline of an answer as blocks of text and tool calls, for the APIs that answer in
+blocks (/v1/responses in responses.py, /v1/messages in anthropic.py): Delta events become
+open / text / args / close operations, which each API turns into its own items or content
+blocks. Knows the wire events; nothing of HTTP or tokens.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+from common.messages import Delta, Finished
+
+
+# -- the outline of an answer: blocks of text and of tool calls --------------------------
+
+@dataclass
+class Block:
+    index: int                      # position among the answer's blocks
+    kind: str                       # "text" | "call"
+    text: str = ""
+    id: str = ""
+    name: str = ""
+    args: str = ""
+    extra: dict = field(default_factory=dict)    # per-API ids
+
+
+class Outline:
+    """Delta events -> ops on blocks: ("open", b), ("text", b, s), ("args", b, s), ("close", b).
+    A text block opens with the first text after a call (or at the start); a call block with
+    the first piece of a call (the one with id and name); the open block closes when another
+    opens or at the end. `raw` gathers the sampled bytes when the request asked for logprobs
+    (to tell which stop string ended the answer)."""
+
+    def __init__(self):
+        self.blocks: list[Block] = []
+        self.open: Block | None = None
+        self.calls: dict[int, Block] = {}
+        self.raw = bytearray()
+        self.text: list[str] = []
+
+    def _start(self, b: Block) -> list:
+        ops = self.close()
+        self.blocks.append(b)
+        self.open = b
+        return ops + [("open", b)]
+
+    def feed(self, ev: Delta) -> list:
+        ops: list = []
+        for t in ev.logprobs:
+            self.raw += bytes(t.bytes)
+        if ev.text:
+            self.text.append(ev.text)
+            if self.open is None or self.open.kind != "text":
+                ops += self._start(Block(len(self.blocks), "text"))
+            self.open.text += ev.text
+            ops.append(("text", self.open, ev.text))
+        for p in ev.tool_calls or ():
+            b = self.calls.get(p.index)
+            if b is None or p.id:
+                b = Block(len(self.blocks), "call", id=p.id, name=p.name)
+                self.calls[p.index] = b
+                ops += self._start(b)
+            if p.arguments:
+                b.args += p.arguments
+                ops.append(("args", b, p.arguments))
+        return ops
+
+    def close(self) -> list:
+        b, self.open = self.open, None
+        return [("close", b)] if b is not None else []
+
+
+def matched_stop(stops, raw: bytes, text: str) -> str | None:
+    """The stop string that ended an answer: the sampled text (`raw`, every token) goes on
+    past the returned `text` with it. None when no stop string did (or it can't be told)."""
+    if not stops or not raw:
+        return None
+    full = bytes(raw).decode("utf-8", "replace")
+    if not full.startswith(text):
+        return None
+    rest = full[len(text):]
+    hits = [s for s in stops if s and rest.startswith(s)]
+    return min(hits, key=len) if hits else None
+
+
+class Whole:
+    """The collector of a whole (non-streamed) answer: the outline, then `build(outline, fin)`."""
+
+    def __init__(self, build: Callable[["Outline", Finished], dict]):
+        self.outline, self.build = Outline(), build
+
+    def add(self, ev: Delta) -> None:
+        self.outline.feed(ev)
+
+    def result(self, fin: Finished) -> dict:
+        self.outline.close()
+        return self.build(self.outline, fin)
+
+
+class Blocks:
+    """Base of a streamed shaper over the outline: `ops(ops)` turns operations into SSEvents,
+    `end(fin)` gives the events after the last block closed."""
+
+    def __init__(self):
+        self.outline = Outline()
+
+    def ops(self, ops: list) -> list:
+        raise NotImplementedError
+
+    def end(self, fin: Finished) -> list:
+        raise NotImplementedError
+
+    def delta(self, ev: Delta) -> list:
+        return self.ops(self.outline.feed(ev))
+
+    def finish(self, fin: Finished) -> list:
+        return self.ops(self.outline.close()) + self.end(fin)
+
+
+def parse_json_object(text: str):
+    """Tool arguments as an object (Anthropic's `input`): a JSON object as it is; anything
+    else, wrapped as {"arguments": value}."""
+    try:
+        v = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        return {"arguments": text}
+    return v if isinstance(v, dict) else {"arguments": v}
