@@ -30,7 +30,7 @@ class Settings:
     dtype: str = opt("auto", "compute dtype", ("generate", "inference"), ("auto", "bf16", "f32", "f16"))
     device: str = opt("auto", "torch device (auto = cuda when present)", ("generate", "inference"))
     threads: int = opt(0, "torch CPU threads (0 = torch default)", ("generate", "inference"))
-    ctx_size: int = opt(8192, "context size in tokens (capped at the model's)", ("generate", "renderer", "inference", "web"))
+    ctx_size: int = opt(8192, "context size in tokens (0 = the model's trained context; above it works, with a warning)", ("generate", "renderer", "inference", "web"))
     chunk_size: int = opt(512, "prefill chunk size; chunks end at absolute multiples of it", ("generate", "inference"))
     deterministic: bool = opt(False, "answers independent of what was cached: every prefill runs as whole "
                               "chunks and an answer's rows are prefilled again after it is sent (slower short prefills)",
@@ -40,6 +40,8 @@ class Settings:
     run_dir: str = opt("", "directory for sockets and shared-memory names (default: one per user and "
                        "working directory under /tmp)", ("web", "renderer", "inference", "persister"))
     max_body_bytes: int = opt(8 << 20, "largest accepted request body", ("web",))
+    strict_model_names: bool = opt(False, "404 for a request naming another model (else the loaded model "
+                                   "serves any name, and the answer names it)", ("web",))
     max_queue: int = opt(64, "requests waiting for the model beyond which new ones get 429", ("renderer",))
     log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
     # disk KV cache (names and defaults of ds4-server, docs/kv-format.md)

@@ -6,7 +6,7 @@ that receiver decodes; socket names in common/sockets.py):
     web worker  DEALER -> renderer.sock  ROUTER  (renderer)   RendererIn
         GenerateRequest, CancelRequest, PingRequest
     renderer    ROUTER -> web worker     DEALER               WebIn
-        Accepted, Waiting, Delta, Finished, Failed, Health
+        Accepted, Waiting, Started, Delta, Finished, Failed, Health
     renderer    PUSH   -> inference.sock PULL    (inference)  InferenceIn
         Job, CancelJob, InferencePing, LiveQuery
     persister   PUSH   -> inference.sock                      InferenceIn
@@ -20,8 +20,9 @@ that receiver decodes; socket names in common/sockets.py):
     renderer    PUSH   -> persister.sock                      PersisterIn
         ToolIds, RendererHello
 
-A request: GenerateRequest -> Accepted (or Waiting, then Accepted) -> Job -> Begun,
-Token... -> Delta... -> JobDone -> Finished. Checkpoint rows never travel here: a
+A request: GenerateRequest -> Accepted (or Waiting, then Accepted) -> Job -> Begun
+(-> Started), Token... -> Delta... -> JobDone -> Finished. A count_only request is answered
+Finished (finish_reason "count") right after tokenizing. Checkpoint rows never travel here: a
 SaveCheckpoint names a shared-memory slot (shm/slots.py). Validation of field values
 lives with the code that owns the rule (sampling: common/params.py).
 """
@@ -127,6 +128,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     logprobs: bool = False
     response_format: str = ""           # JSON: {"type": "json_object"} | {"type": "json_schema", "schema": ...}
     parallel_tool_calls: bool = False   # an answer may hold several calls (else one, then its end)
+    count_only: bool = False            # render and tokenize only: Finished("count") with prompt_tokens
 
 
 class CancelRequest(msgspec.Struct, tag="cancel", frozen=True):
@@ -158,6 +160,14 @@ class Waiting(msgspec.Struct, tag="waiting", frozen=True):
     detail: str = ""
 
 
+class Started(msgspec.Struct, tag="started", frozen=True):
+    """The model began the request (after any queue): how much of the prompt came from the
+    cache, known before the first token (Anthropic's message_start reports it)."""
+    rid: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
 class Delta(msgspec.Struct, tag="delta", frozen=True):
     rid: str
     text: str = ""
@@ -178,6 +188,8 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     code: str | None = None
     param: str | None = None
     err_type: str = "invalid_request_error"
+    prompt_tokens: int = 0              # context_length_exceeded: the prompt's tokens ...
+    limit: int = 0                      # ... and the context size
 
 
 class Health(msgspec.Struct, tag="health", frozen=True):
@@ -191,7 +203,7 @@ class Health(msgspec.Struct, tag="health", frozen=True):
     holds: bool = False                 # the PingRequest's `about` is queued or running here
 
 
-WebIn = Accepted | Waiting | Delta | Finished | Failed | Health
+WebIn = Accepted | Waiting | Started | Delta | Finished | Failed | Health
 
 
 # ---------------------------------------------------------------------------------------

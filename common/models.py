@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def load_text(path: str) -> TextModel:
 
 
 def context_size(path: str, requested: int) -> int:
-    """The context every process uses: the requested size capped at the model's own."""
+    """The context every process uses: the requested size (0: the model's own)."""
     if os.path.isdir(path):
         import json
         with open(os.path.join(path, "config.json")) as f:
@@ -99,4 +100,17 @@ def context_size(path: str, requested: int) -> int:
 
 
 def cap_context(requested: int, limit: int) -> int:
-    return min(requested, limit) if requested > 0 else limit
+    """`requested` (0: the model's trained `limit`). Above the limit is allowed, as llama.cpp
+    allows it: positions past what the model was trained on give worse answers, but the
+    protocol works (an agent's 20k-token prompt on a small model); one warning per process."""
+    if requested <= 0:
+        return limit
+    if requested > limit and limit not in _warned:
+        _warned.add(limit)
+        logging.getLogger("ricordo").warning(
+            "context %d is above the model's trained context %d: answers past %d tokens degrade",
+            requested, limit, limit)
+    return requested
+
+
+_warned: set[int] = set()

@@ -1,21 +1,17 @@
-"""POST /v1/messages: the Anthropic Messages API over the chat pipeline.
-
-`system` -> a leading system message; user/assistant messages with text blocks; assistant
-`tool_use` blocks -> tool_calls (arguments = json.dumps(input)); user `tool_result` blocks
--> tool messages, in order, the user message's text blocks after them.
-
-Tool-use ids round-trip for exact replay: the renderer's call id `call_<hex>` goes out as
-`toolu_<hex>`, and any `toolu_<x>` a client sends back is read as `call_<x>`, so an answer
-the model gave renders again as the very bytes it sampled (and the KV cache matches it).
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API over the chat
+pipeline. Requests are read in anthropic_request.py; here the answers and the errors.
 
 Usage follows Anthropic: input_tokens counts the prompt tokens not read from the cache,
-cache_read_input_tokens those that were (their sum is the whole prompt);
-cache_creation_input_tokens is 0 (checkpoints are written by the server on its own).
+cache_read_input_tokens those that were (their sum is the whole prompt), from message_start
+on (it goes out when the model begins, with the split known); cache_creation_input_tokens is
+0 (checkpoints are written by the server on its own).
 
 Errors on these paths come in Anthropic's shape ({"type": "error", "error": {type, message}}),
-via `install`; `x-api-key` works like the Bearer token (see app.Auth); `anthropic-version`
-is accepted and ignored. A trailing assistant message is rendered as a finished turn (no
-prefill of the answer).
+via `install`; a prompt over the context reads as Anthropic's ("prompt is too long: N tokens
+> M maximum"), which is what makes Claude Code compact its conversation. `x-api-key` works
+like the Bearer token (see app.Auth); `anthropic-version` and `anthropic-beta` are accepted
+and ignored. A trailing assistant message is rendered as a finished turn (no prefill of the
+answer).
 """
 from __future__ import annotations
 
@@ -25,31 +21,22 @@ import secrets
 import falcon
 import msgspec
 
-from common.messages import Accepted, ChatMessage, Finished, GenerateRequest, ToolCall, ToolCallFunction
+import falcon.asgi
+
+from common.messages import Accepted, Finished, Started
 from procs.frontend import errors
-from procs.frontend.errors import bad
-from procs.frontend.fields import check_model, function_tool, get_bool, json_text, named_choice, sampling
+from procs.frontend.anthropic_request import parse, to_client_id
+from procs.frontend.fields import json_text
 from procs.frontend.flow import Endpoint, Job, sse
 from procs.frontend.outline import Block, Blocks, Outline, Whole, matched_stop, parse_json_object
 
 log = logging.getLogger("web")
 
 PATH = "/v1/messages"
-MAX_STOPS = 16
-OUR_PREFIX, THEIR_PREFIX = "call_", "toolu_"
-SKIPPED_BLOCKS = ("thinking", "redacted_thinking")       # never produced here; echoed back by clients
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
           500: "api_error", 502: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
-
-
-def to_client_id(call_id: str) -> str:
-    return THEIR_PREFIX + call_id[len(OUR_PREFIX):] if call_id.startswith(OUR_PREFIX) else call_id
-
-
-def from_client_id(tool_use_id: str) -> str:
-    return OUR_PREFIX + tool_use_id[len(THEIR_PREFIX):] if tool_use_id.startswith(THEIR_PREFIX) else tool_use_id
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -63,6 +50,8 @@ def error_body(status: int, message: str) -> dict:
 
 
 def _message(ex: falcon.HTTPError, req) -> str:
+    if isinstance(ex, errors.ApiError) and ex.oa_code == "context_length_exceeded" and ex.limit:
+        return f"prompt is too long: {ex.prompt_tokens} tokens > {ex.limit} maximum"
     if isinstance(ex, errors.ApiError):
         return f"{ex.param}: {ex.message}" if ex.param and not ex.message.startswith(ex.param) else ex.message
     return errors._falcon_body(req, ex)["error"]["message"]
@@ -90,148 +79,6 @@ def install(app) -> None:
 
     app.set_error_serializer(serialize)
     app.add_error_handler(Exception, unexpected)
-
-
-# -- request -------------------------------------------------------------------------------
-
-def _blocks(v, at: str) -> list[dict]:
-    if isinstance(v, str):
-        return [{"type": "text", "text": v}]
-    if not isinstance(v, list):
-        raise bad(at, "content must be a string or a list of content blocks")
-    for j, b in enumerate(v):
-        if not isinstance(b, dict):
-            raise bad(f"{at}[{j}]", "a content block must be an object")
-        if b.get("type") == "text" and not isinstance(b.get("text"), str):
-            raise bad(f"{at}[{j}].text", "a text block needs a string 'text'")
-    return v
-
-
-def _texts(blocks: list[dict], at: str, allowed: tuple) -> list[str]:
-    out = []
-    for j, b in enumerate(blocks):
-        kind = b.get("type")
-        if kind == "text":
-            out.append(b["text"])
-        elif kind not in allowed and kind not in SKIPPED_BLOCKS:
-            raise bad(f"{at}[{j}].type", f"content block type {kind!r} is not supported here")
-    return out
-
-
-def _tool_result(b: dict, at: str) -> ChatMessage:
-    tid = b.get("tool_use_id")
-    if not isinstance(tid, str) or not tid:
-        raise bad(f"{at}.tool_use_id", "a tool_result needs a string 'tool_use_id'")
-    content = b.get("content", "")
-    text = "\n".join(_texts(_blocks(content, f"{at}.content"), f"{at}.content", ())) if content else ""
-    if get_bool(b, "is_error"):
-        text = "Error: " + text
-    return ChatMessage(role="tool", content=text, tool_call_id=from_client_id(tid))
-
-
-def _tool_use(b: dict, at: str) -> ToolCall:
-    tid, name, inp = b.get("id"), b.get("name"), b.get("input", {})
-    if not isinstance(tid, str) or not tid:
-        raise bad(f"{at}.id", "a tool_use block needs a string 'id'")
-    if not isinstance(name, str) or not name:
-        raise bad(f"{at}.name", "a tool_use block needs a string 'name'")
-    if not isinstance(inp, dict):
-        raise bad(f"{at}.input", "a tool_use block's 'input' must be an object")
-    return ToolCall(id=from_client_id(tid), function=ToolCallFunction(name=name, arguments=json_text(inp)))
-
-
-def _messages(body: dict) -> list[ChatMessage]:
-    out: list[ChatMessage] = []
-    system = body.get("system")
-    if system is not None:
-        text = "\n".join(_texts(_blocks(system, "system"), "system", ()))
-        if text:
-            out.append(ChatMessage(role="system", content=text))
-    msgs = body.get("messages")
-    if msgs is None:
-        raise bad("messages", "'messages' is required")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages", "'messages' must be a non-empty list")
-    for i, msg in enumerate(msgs):
-        at = f"messages.{i}"
-        if not isinstance(msg, dict):
-            raise bad(at, "each message must be an object")
-        role = msg.get("role")
-        if role not in ("user", "assistant"):
-            raise bad(f"{at}.role", f"unknown role {role!r}; expected user or assistant")
-        blocks = _blocks(msg.get("content"), f"{at}.content")
-        if role == "assistant":
-            calls = tuple(_tool_use(b, f"{at}.content.{j}") for j, b in enumerate(blocks)
-                          if b.get("type") == "tool_use")
-            texts = _texts(blocks, f"{at}.content", ("tool_use",))
-            out.append(ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls))
-            continue
-        for j, b in enumerate(blocks):
-            if b.get("type") == "tool_result":
-                out.append(_tool_result(b, f"{at}.content.{j}"))
-        texts = _texts(blocks, f"{at}.content", ("tool_result",))
-        if texts or not any(b.get("type") == "tool_result" for b in blocks):
-            out.append(ChatMessage(role="user", content="\n".join(texts)))
-    return out
-
-
-def _tools(body: dict) -> tuple[str, str]:
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    chat, names = [], set()
-    if tools is not None:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise bad("tools", "'tools' must be a list of objects")
-        for i, t in enumerate(tools):
-            if t.get("type", "custom") != "custom":
-                raise bad(f"tools.{i}.type", f"tool type {t.get('type')!r} is not supported; only client tools "
-                          "({name, description, input_schema}) are")
-            if not isinstance(t.get("input_schema"), dict):
-                raise bad(f"tools.{i}.input_schema", "a tool needs an 'input_schema' object")
-            chat.append(function_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}",
-                                      "input_schema"))
-            names.add(t["name"])
-    out = None
-    if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind in ("auto", "none"):
-            out = kind
-        elif kind == "any":
-            if not names:
-                raise bad("tool_choice", "tool_choice 'any' needs tools")
-            out = "required"
-        elif kind == "tool":
-            out = named_choice(choice.get("name"), names, "tool_choice.name")
-        else:
-            raise bad("tool_choice", "'tool_choice' must be {\"type\": auto | any | tool | none}")
-    return (json_text(chat) if chat else "", json_text(out) if out is not None else "")
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    v = body.get("stop_sequences")
-    if v is None:
-        return ()
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise bad("stop_sequences", "'stop_sequences' must be a list of strings")
-    if len(v) > MAX_STOPS:
-        raise bad("stop_sequences", f"'stop_sequences' may hold at most {MAX_STOPS} strings")
-    return tuple(s for s in v if s)
-
-
-def parse(body: dict, served_id: str, rid: str) -> Job:
-    check_model(body, served_id)
-    if body.get("max_tokens") is None:
-        raise bad("max_tokens", "Field required")
-    params = sampling(body, "max_tokens", ("temperature", "top_p", "top_k"), lo=1)
-    messages = _messages(body)
-    stops = _stops(body)
-    tools, choice = _tools(body)
-    stream = get_bool(body, "stream")
-    # logprobs carry every sampled token's bytes: how the frontend tells which stop string ended it
-    tc = body.get("tool_choice")
-    parallel = not (isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True)
-    req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(messages), stop=stops,
-                          tools=tools, tool_choice=choice, logprobs=bool(stops), parallel_tool_calls=parallel)
-    return Job(req, stream)
 
 
 # -- response ------------------------------------------------------------------------------
@@ -265,23 +112,43 @@ def _start_block(b: Block) -> dict:
 
 class Shaper(Blocks):
     """message_start, content_block_start/delta/stop, message_delta, message_stop; `ping` as
-    the keepalive. Tool input goes out whole at the block's close (the pieces of one call
-    arrive together anyway), as JSON of an object."""
+    the keepalive. message_start waits for Started (the model began: the cached split is
+    known), or goes out before the first block or the end if that comes first; keepalives
+    before it are SSE comments. Tool input goes out whole at the block's close (the pieces of
+    one call arrive together anyway), as JSON of an object."""
 
     def __init__(self, job: Job, mid: str, model: str, accepted: Accepted | None):
         super().__init__()
         self.job, self.mid, self.model = job, mid, model
         self.prompt_tokens = accepted.prompt_tokens if accepted else 0
+        self.begun = False
 
-    def start(self) -> list:
+    def _begin(self, prompt_tokens: int, cached: int) -> list:
+        if self.begun:
+            return []
+        self.begun = True
         msg = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
                "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0,
-                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+               "usage": {"input_tokens": max(prompt_tokens - cached, 0), "output_tokens": 0,
+                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}}
         return [sse("message_start", {"type": "message_start", "message": msg})] + self.keepalive()
 
+    def start(self) -> list:
+        return []
+
+    def started(self, ev: Started) -> list:
+        return self._begin(ev.prompt_tokens, ev.cached_tokens)
+
     def keepalive(self) -> list:
+        if not self.begun:
+            return [falcon.asgi.SSEvent(comment="keepalive")]
         return [sse("ping", {"type": "ping"})]
+
+    def delta(self, ev) -> list:
+        return self._begin(self.prompt_tokens, 0) + super().delta(ev)
+
+    def finish(self, fin: Finished) -> list:
+        return self._begin(fin.usage.prompt_tokens, fin.usage.cached_tokens) + super().finish(fin)
 
     def ops(self, ops: list) -> list:
         out = []
@@ -315,11 +182,21 @@ class Shaper(Blocks):
         return [sse("error", error_body(status, message))]
 
 
+class CountTokens(Endpoint):
+    """POST /v1/messages/count_tokens: the prompt's tokens as the model would see it."""
+
+    def parse(self, body: dict, rid: str) -> Job:
+        return parse(body, rid, count_only=True)
+
+    def collector(self, job: Job) -> Whole:
+        return Whole(lambda outline, fin: {"input_tokens": fin.usage.prompt_tokens})
+
+
 class Messages(Endpoint):
     """POST /v1/messages."""
 
     def parse(self, body: dict, rid: str) -> Job:
-        return parse(body, self.model_id, rid)
+        return parse(body, rid)
 
     def collector(self, job: Job) -> Whole:
         return Whole(lambda outline, fin: self.whole(job, outline, fin))
@@ -337,3 +214,4 @@ class Messages(Endpoint):
 def register(app, backend, settings, model_id: str) -> None:
     install(app)
     app.add_route(PATH, Messages(backend, settings, model_id))
+    app.add_route(PATH + "/count_tokens", CountTokens(backend, settings, model_id))

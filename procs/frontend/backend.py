@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from common.config import Settings
 from common.messages import (Accepted, CancelRequest, Delta, Failed, Finished, GenerateRequest, Health,
-                             PingRequest, Waiting, WebIn)
+                             PingRequest, Started, Waiting, WebIn)
 from common.sockets import RENDERER, address
 
 log = logging.getLogger("web")
@@ -32,7 +32,7 @@ ACCEPT_TIMEOUT_S = 60.0     # the renderer answers Accepted/Failed right after t
 IDLE_CHECK_S = 15.0         # a request silent this long asks the renderer whether it still holds it
 IDLE_PING_TIMEOUT_S = 5.0
 
-Event = Accepted | Delta | Finished | Failed | Waiting
+Event = Accepted | Started | Delta | Finished | Failed | Waiting
 
 
 def new_rid() -> str:

@@ -43,6 +43,9 @@ class Stream:
         first = self.chunks.first()
         return [sse(None, first)] if first is not None else []
 
+    def started(self, ev) -> list:
+        return []
+
     def delta(self, ev: Delta) -> list:
         c = self.chunks.delta(ev)
         return [sse(None, c)] if c is not None else []
@@ -72,7 +75,7 @@ class Completions(Endpoint):
         self.kind = kind
 
     def parse(self, body: dict, rid: str) -> Job:
-        return (parse_chat if self.kind == "chat" else parse_completion)(body, self.model_id, rid)
+        return (parse_chat if self.kind == "chat" else parse_completion)(body, rid)
 
     def collector(self, job: Job) -> Whole:
         return Whole(self.kind, job, self.model_id)

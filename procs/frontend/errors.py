@@ -29,8 +29,10 @@ class ApiError(falcon.HTTPError):
     """An HTTP error with the OpenAI fields; raise it anywhere in a responder."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 err_type: str | None = None, headers: dict | None = None):
+                 err_type: str | None = None, headers: dict | None = None, prompt_tokens: int = 0,
+                 limit: int = 0):
         super().__init__(status, title=message, headers=headers)
+        self.prompt_tokens, self.limit = prompt_tokens, limit      # context_length_exceeded
         self.message = message
         self.param = param
         self.oa_code = code
@@ -54,7 +56,7 @@ RETRY_AFTER_S = "2"   # a full queue (429) or an unavailable process (503) is wo
 def from_failed(ev: Failed) -> ApiError:
     headers = {"Retry-After": RETRY_AFTER_S} if ev.status in (429, 503) else None
     return ApiError(ev.status, ev.message, param=ev.param, code=ev.code, err_type=ev.err_type,
-                    headers=headers)
+                    headers=headers, prompt_tokens=ev.prompt_tokens, limit=ev.limit)
 
 
 def _falcon_body(req: falcon.Request, ex: falcon.HTTPError) -> dict:

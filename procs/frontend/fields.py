@@ -60,13 +60,15 @@ def get_bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
-def check_model(body: dict, served_id: str) -> None:
+def check_model(body: dict, served_id: str, strict: bool) -> None:
+    """Any model name is served by the loaded model (agents send their vendor's names), unless
+    `strict`; the answer always names the model that served it."""
     model = body.get("model")
     if model is None or model == "":
         return
     if not isinstance(model, str):
         raise bad("model", "'model' must be a string")
-    if model != served_id:
+    if strict and model != served_id:
         raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
                        param="model", code="model_not_found")
 

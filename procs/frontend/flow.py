@@ -20,9 +20,10 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from common.messages import Accepted, Delta, Failed, Finished, GenerateRequest
+from common.messages import Accepted, Delta, Failed, Finished, GenerateRequest, Started
 from procs.frontend.backend import new_rid
 from procs.frontend.errors import ApiError, bad, from_failed
+from procs.frontend.fields import check_model
 from procs.frontend.stream import DISCONNECTED, END, TIMEOUT, Pump, Receive
 
 log = logging.getLogger("web")
@@ -90,6 +91,7 @@ class Collector(Protocol):
 class Shaper(Protocol):
     """Each method gives the SSEvents to send, in order."""
     def start(self) -> list: ...
+    def started(self, ev: Started) -> list: ...
     def delta(self, ev: Delta) -> list: ...
     def finish(self, fin: Finished) -> list: ...
     def fail(self, status: int, message: str, err_type: str, code: str | None, param: str | None) -> list: ...
@@ -113,6 +115,7 @@ class Endpoint:
 
     async def on_post(self, req, resp) -> None:
         body = await read_json(req, self.settings.max_body_bytes)
+        check_model(body, self.model_id, self.settings.strict_model_names)
         job = self.parse(body, new_rid())
         pump = Pump(self.backend.submit(job.req), req.scope.get(RECEIVE_KEY))
         handed_over = False
@@ -177,6 +180,8 @@ class Endpoint:
                 elif ev is END:
                     finished = True
                     out = shaper.fail(502, NO_ANSWER, "server_error", None, None)
+                elif isinstance(ev, Started):
+                    out = shaper.started(ev)
                 elif isinstance(ev, Delta):
                     out = shaper.delta(ev)
                 elif isinstance(ev, Finished):

@@ -111,6 +111,9 @@ class Blocks:
     def end(self, fin: Finished) -> list:
         raise NotImplementedError
 
+    def started(self, ev) -> list:
+        return []
+
     def delta(self, ev: Delta) -> list:
         return self.ops(self.outline.feed(ev))
 

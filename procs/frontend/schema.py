@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from common.messages import ChatMessage, GenerateRequest, SamplingParams, ToolCall, ToolCallFunction
 from procs.frontend.errors import bad
-from procs.frontend.fields import (check_model, function_tool, get_bool, get_int, json_text, named_choice,
+from procs.frontend.fields import (function_tool, get_bool, get_int, json_text, named_choice,
                                    output_format, sampling)
 from procs.frontend.flow import Job
 
@@ -161,8 +161,7 @@ def _tools(body: dict) -> tuple[str, str]:
     return (json_text(tools) if tools else "", json_text(choice) if choice is not None else "")
 
 
-def parse_chat(body: dict, served_id: str, rid: str) -> Job:
-    check_model(body, served_id)
+def parse_chat(body: dict, rid: str) -> Job:
     msgs = body.get("messages")
     if msgs is None:
         raise bad("messages", "'messages' is required")
@@ -200,8 +199,7 @@ def _prompt(body: dict) -> str:
     return p
 
 
-def parse_completion(body: dict, served_id: str, rid: str) -> Job:
-    check_model(body, served_id)
+def parse_completion(body: dict, rid: str) -> Job:
     prompt = _prompt(body)
     _n(body)
     if body.get("echo") is not None and get_bool(body, "echo"):

@@ -15,9 +15,11 @@ from common.tokenizer import TextModel
 
 
 class PromptError(ValueError):
-    def __init__(self, param: str | None, message: str, code: str | None = None, status: int = 400):
+    def __init__(self, param: str | None, message: str, code: str | None = None, status: int = 400,
+                 prompt_tokens: int = 0, limit: int = 0):
         super().__init__(message)
         self.param, self.code, self.status = param, code, status
+        self.prompt_tokens, self.limit = prompt_tokens, limit
 
 
 def _message_dict(msg: m.ChatMessage) -> dict:

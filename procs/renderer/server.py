@@ -189,13 +189,18 @@ class Renderer(Readiness, Answers):
                     if getattr(stats, how):
                         metrics.M.tool_calls.labels(how).inc(getattr(stats, how))
             full = self.text.encode(prompt)
+            if req.count_only:
+                self.to_web(route, m.Finished(rid=req.rid, finish_reason="count",
+                                              usage=m.Usage(prompt_tokens=len(full), completion_tokens=0,
+                                                            cached_tokens=0)))
+                return
             if not full:
                 raise PromptError("prompt" if req.kind == "completion" else "messages", "the prompt is empty")
             if len(full) >= self.n_ctx:
                 raise PromptError("messages" if req.kind == "chat" else "prompt",
                                   f"This model's maximum context length is {self.n_ctx} tokens, but the "
                                   f"prompt has {len(full)} tokens (at least one more is needed to answer).",
-                                  code="context_length_exceeded")
+                                  code="context_length_exceeded", prompt_tokens=len(full), limit=self.n_ctx)
             if len(self.queue) >= self.s.max_queue:
                 raise PromptError(None, "too many requests are waiting; retry later", code="queue_full", status=429)
             constraint = self.constrain(req)
@@ -203,7 +208,8 @@ class Renderer(Readiness, Answers):
             self.to_web(route, m.Failed(rid=req.rid, status=400, message=str(e), param=e.param))
             return
         except PromptError as e:
-            self.to_web(route, m.Failed(rid=req.rid, status=e.status, message=str(e), code=e.code, param=e.param))
+            self.to_web(route, m.Failed(rid=req.rid, status=e.status, message=str(e), code=e.code, param=e.param,
+                                        prompt_tokens=e.prompt_tokens, limit=e.limit))
             return
         self.to_web(route, m.Accepted(rid=req.rid, prompt_tokens=len(full)))
         self.queue.append(Pending(route, req, prompt, full, admitted=time.monotonic(), constraint=constraint))
@@ -300,6 +306,7 @@ class Renderer(Readiness, Answers):
         self.current_since = time.monotonic()
         if isinstance(ev, m.Begun):
             p.cached, p.prompt_tokens = ev.cached, ev.prompt_tokens
+            self.to_web(p.route, m.Started(rid=p.req.rid, prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached))
             outcome = {"live": "live", "disk": "disk"}.get(ev.source, "miss")
             reason = "" if outcome != "miss" else (ev.detail.split(":")[0] if ev.detail else p.miss or "none")
             metrics.M.lookups.labels(outcome, reason).inc()

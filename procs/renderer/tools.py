@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import secrets
 
 from common import kvfile
 from common import messages as m
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# an open call whose name is complete: the arguments so far (a call cut by the token limit)
+PARTIAL = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"arguments"\s*:\s*(.*)\Z', re.S)
 
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query. "
                 "The functions are listed in <tools></tools>, one JSON object per line:\n<tools>\n")
@@ -163,6 +166,7 @@ class CallParser:
     open a call is held back; a call is emitted when its closing tag arrives."""
 
     def __init__(self, opened: str = ""):
+        self.cut: tuple[str, str, str] | None = None    # a call the token limit cut, from flush()
         self.content_done = bool(opened)
         self.buf = opened            # text since the first OPEN (the block), or held content
         self.block = opened          # the whole block text so far
@@ -170,6 +174,7 @@ class CallParser:
         self.scan = 0
         self.closed = False          # close_block() ran: nothing more is taken
         self.content_bytes = 0       # UTF-8 bytes of the content returned so far
+        self.opened = opened
         self.opened_bytes = len(opened.encode())   # the opener is prompt, not generated
 
     def push(self, text: str) -> tuple[str, list[m.ToolCallDelta]]:
@@ -238,10 +243,26 @@ class CallParser:
         return self.content_bytes + len(self.block.encode("utf-8", "surrogateescape")) - self.opened_bytes
 
     def flush(self) -> str:
-        """At the end: content still held back, or the block as text if no call parsed."""
+        """At the end: content still held back, or the block as text if no call parsed. A call
+        left open (the token limit) whose name is complete becomes `cut` (id, name, the
+        arguments so far), as OpenAI returns a truncated call; the opener the prompt ended with
+        is never returned as text."""
         if not self.content_done:
             out, self.buf = self.buf, ""
             return out
+        tail = self.buf[self.scan:]
+        m_ = PARTIAL.match(tail)
+        if m_ is not None:
+            self.cut = (new_id(), m_.group(1), m_.group(2))
+            return ""
         if not self.calls:
-            return self.block
+            return self.block[len(self.opened):] if self.block.startswith(self.opened) else self.block
         return ""
+
+    def cut_pieces(self) -> list[m.ToolCallDelta]:
+        if self.cut is None:
+            return []
+        cid, name, args = self.cut
+        idx = len(self.calls)
+        return [m.ToolCallDelta(index=idx, id=cid, name=name)] + [
+            m.ToolCallDelta(index=idx, arguments=args[k:k + 64]) for k in range(0, len(args), 64)]

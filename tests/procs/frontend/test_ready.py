@@ -55,7 +55,9 @@ def test_a_waiting_request_streams_keepalives_then_its_answer(monkeypatch):
     assert r.status_code == 200 and r.json["choices"][0]["message"]["content"] == "x"
     r = c.simulate_post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "stream": True,
                                               "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 200 and r.text.count("event: ping") >= 2     # one at the start, then keepalives
+    # keepalives (SSE comments) while it waits, message_start when the model begins
+    assert r.status_code == 200 and r.text.count(": keepalive") >= 2
+    assert r.text.index(": keepalive") < r.text.index("event: message_start")
     assert "message_stop" in r.text
 
 

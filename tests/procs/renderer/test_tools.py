@@ -180,9 +180,13 @@ def test_opened_parser_completes_a_forced_call():
     assert ID_RE.fullmatch(cid) and name == "get_weather" and json.loads(args) == {"city": "Oslo"}
     assert p.block == opened + sampled               # what replay renders: the opener was in the prompt
 
-    r = t.CallParser(opened=t.opener("required"))    # a forced call the model never closes
-    feed(r, ['{"name": "f", "argu'])
-    assert r.calls == [] and r.flush() == OPEN + '\n{"name": "f", "argu'
+    r = t.CallParser(opened=t.opener("required"))    # a forced call the model never closes: its text
+    feed(r, ['{"name": "f", "argu'])                 # without the opener, which was prompt
+    assert r.calls == [] and r.flush() == '{"name": "f", "argu'
+
+    n = t.CallParser(opened=opened)                  # cut inside the arguments of a named call
+    feed(n, ['{"city": "Os'])
+    assert n.flush() == "" and n.cut[1:] == ("get_weather", '{"city": "Os')
 
 
 # -- prepare_messages ----------------------------------------------------------------------------
@@ -362,3 +366,27 @@ def test_ids_from_the_cache_files_ktm_sections(tmp_path):
     stats = t.Rendered()
     t.prepare_messages(convo([call(ID3)]), TOOLS, mem, index, stats)
     assert counts(stats) == (0, 0, 1, 1)
+
+
+def test_a_call_cut_by_the_limit_is_a_truncated_call_not_text():
+    """A forced call (the opener is prompt) cut by max_tokens: a call with the arguments so
+    far, as OpenAI returns one; the opener never comes back as text."""
+    opener = t.opener("required")
+    p = t.CallParser(opened=opener)
+    text, pieces = feed(p, chars('{"name": "get_weather", "arguments": {"city": "Par'))
+    assert (text, pieces) == ("", [])
+    assert p.flush() == "" and p.calls == []
+    cid, name, args = p.cut
+    assert name == "get_weather" and args == '{"city": "Par' and ID_RE.fullmatch(cid)
+    [head, *rest] = p.cut_pieces()
+    assert (head.index, head.id, head.name) == (0, cid, "get_weather")
+    assert "".join(x.arguments for x in rest) == args
+
+    q = t.CallParser(opened=opener)                 # cut before the name is whole: no call, no opener
+    feed(q, chars('{"na'))
+    assert q.flush() == '{"na' and q.cut is None and q.cut_pieces() == []
+
+    r = t.CallParser()                              # the model opened it itself: after a closed call
+    feed(r, chars("ok " + CALL_A + '\n<tool_call>\n{"name": "b", "arguments": {'))
+    assert r.flush() == "" and len(r.calls) == 1 and r.cut[1:] == ("b", "{")
+    assert r.cut_pieces()[0].index == 1

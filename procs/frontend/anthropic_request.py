@@ -1,0 +1,201 @@
+"""Anthropic Messages request bodies -> GenerateRequest (the answer side is anthropic.py).
+
+`system` -> a leading system message; `system` messages inside `messages` (Claude Code's
+mid-conversation system messages) rendered in place; user/assistant messages with text
+blocks; assistant `tool_use` blocks -> tool_calls (arguments = the input as JSON); user
+`tool_result` blocks -> tool messages, in order, the user message's text blocks after them.
+Blocks the model cannot read (images, thinking, server tool results) are left out and logged
+once per type; `document` blocks with a text source render as text. Volatile per-session
+headers go before rendering (normalize.py).
+
+Tool-use ids round-trip for exact replay: the renderer's call id `call_<hex>` goes out as
+`toolu_<hex>`, and any `toolu_<x>` a client sends back is read as `call_<x>`, so an answer
+the model gave renders again as the very bytes it sampled (and the KV cache matches it).
+"""
+from __future__ import annotations
+
+import logging
+
+from common.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallFunction
+from procs.frontend import normalize
+from procs.frontend.errors import bad
+from procs.frontend.fields import function_tool, get_bool, json_text, named_choice, sampling
+from procs.frontend.flow import Job
+from procs.frontend.toolset import Toolset, left_out, tool_list
+
+log = logging.getLogger("web")
+
+MAX_STOPS = 16
+OUR_PREFIX, THEIR_PREFIX = "call_", "toolu_"
+ROLES = ("user", "assistant", "system")
+
+
+def to_client_id(call_id: str) -> str:
+    return THEIR_PREFIX + call_id[len(OUR_PREFIX):] if call_id.startswith(OUR_PREFIX) else call_id
+
+
+def from_client_id(tool_use_id: str) -> str:
+    return OUR_PREFIX + tool_use_id[len(THEIR_PREFIX):] if tool_use_id.startswith(THEIR_PREFIX) else tool_use_id
+
+
+def _blocks(v, at: str) -> list[dict]:
+    if isinstance(v, str):
+        return [{"type": "text", "text": v}]
+    if not isinstance(v, list):
+        raise bad(at, "content must be a string or a list of content blocks")
+    for j, b in enumerate(v):
+        if not isinstance(b, dict):
+            raise bad(f"{at}.{j}", "a content block must be an object")
+        if not isinstance(b.get("type"), str):
+            raise bad(f"{at}.{j}.type", "a content block needs a 'type'")
+        if b["type"] == "text" and not isinstance(b.get("text"), str):
+            raise bad(f"{at}.{j}.text", "a text block needs a string 'text'")
+    return v
+
+
+def _texts(blocks: list[dict], handled: tuple = ()) -> list[str]:
+    """The text of text blocks (and of text documents); other blocks, unless `handled` by the
+    caller, are left out."""
+    out = []
+    for b in blocks:
+        kind = b["type"]
+        if kind == "text":
+            out.append(b["text"])
+        elif kind == "document" and isinstance(b.get("source"), dict) and b["source"].get("type") == "text" \
+                and isinstance(b["source"].get("data"), str):
+            out.append(b["source"]["data"])
+        elif kind not in handled:
+            left_out(f"content block {kind}", "this model reads text only")
+    return out
+
+
+def _tool_result(b: dict, at: str) -> ChatMessage:
+    tid = b.get("tool_use_id")
+    if not isinstance(tid, str) or not tid:
+        raise bad(f"{at}.tool_use_id", "a tool_result needs a string 'tool_use_id'")
+    content = b.get("content", "")
+    text = "\n".join(_texts(_blocks(content, f"{at}.content"))) if content else ""
+    if get_bool(b, "is_error"):
+        text = "Error: " + text
+    return ChatMessage(role="tool", content=text, tool_call_id=from_client_id(tid))
+
+
+def _tool_use(b: dict, at: str) -> ToolCall:
+    tid, name, inp = b.get("id"), b.get("name"), b.get("input", {})
+    if not isinstance(tid, str) or not tid:
+        raise bad(f"{at}.id", "a tool_use block needs a string 'id'")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{at}.name", "a tool_use block needs a string 'name'")
+    if not isinstance(inp, dict):
+        raise bad(f"{at}.input", "a tool_use block's 'input' must be an object")
+    return ToolCall(id=from_client_id(tid), function=ToolCallFunction(name=name, arguments=json_text(inp)))
+
+
+def _system(v, at: str) -> ChatMessage | None:
+    text = "\n".join(t for t in (normalize.system_text(x) for x in _texts(_blocks(v, at))) if t)
+    return ChatMessage(role="system", content=text) if text else None
+
+
+def messages(body: dict) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    if body.get("system") is not None:
+        m = _system(body["system"], "system")
+        if m is not None:
+            out.append(m)
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad("messages", "'messages' is required")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "'messages' must be a non-empty list")
+    for i, msg in enumerate(msgs):
+        at = f"messages.{i}"
+        if not isinstance(msg, dict):
+            raise bad(at, "each message must be an object")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise bad(f"{at}.role", f"unknown role {role!r}; expected user, assistant or system")
+        if role == "system":
+            m = _system(msg.get("content"), f"{at}.content")
+            if m is not None:
+                out.append(m)
+            continue
+        blocks = _blocks(msg.get("content"), f"{at}.content")
+        if role == "assistant":
+            calls = tuple(_tool_use(b, f"{at}.content.{j}") for j, b in enumerate(blocks) if b["type"] == "tool_use")
+            texts = _texts(blocks, ("tool_use", "thinking", "redacted_thinking"))
+            out.append(ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls))
+            continue
+        for j, b in enumerate(blocks):
+            if b["type"] == "tool_result":
+                out.append(_tool_result(b, f"{at}.content.{j}"))
+        texts = _texts(blocks, ("tool_result",))
+        if texts or not any(b["type"] == "tool_result" for b in blocks):
+            out.append(ChatMessage(role="user", content="\n".join(texts)))
+    return out
+
+
+def tools(body: dict) -> tuple[str, str]:
+    """Client tools ({name, description, input_schema}, no type or "custom"); Anthropic's own
+    tool types (web search, bash, text editor, computer ...) are left out and logged."""
+    ts = Toolset()
+    for at, t in tool_list(body, lambda i: f"tools.{i}"):
+        if t.get("type", "custom") != "custom":
+            ts.skip(str(t.get("type")), "an Anthropic-defined tool this server does not run")
+            continue
+        if not isinstance(t.get("input_schema"), dict):
+            raise bad(f"{at}.input_schema", "a tool needs an 'input_schema' object")
+        ts.add(function_tool(t.get("name"), t.get("description"), t["input_schema"], at, "input_schema"), at)
+    choice, names, out = body.get("tool_choice"), set(ts.tools), None
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind in ("auto", "none"):
+            out = kind
+        elif kind == "any":
+            if not names:
+                raise bad("tool_choice", "tool_choice 'any' needs tools")
+            out = "required"
+        elif kind == "tool":
+            out = named_choice(choice.get("name"), names, "tool_choice.name")
+        else:
+            raise bad("tool_choice", "'tool_choice' must be {\"type\": auto | any | tool | none}")
+    return ts.json(), json_text(out) if out is not None else ""
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    v = body.get("stop_sequences")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("stop_sequences", "'stop_sequences' must be a list of strings")
+    if len(v) > MAX_STOPS:
+        raise bad("stop_sequences", f"'stop_sequences' may hold at most {MAX_STOPS} strings")
+    return tuple(s for s in v if s)
+
+
+def _output_format(body: dict) -> str:
+    """`output_config.format` (structured outputs): a JSON schema the answer must follow."""
+    cfg = body.get("output_config")
+    fmt = cfg.get("format") if isinstance(cfg, dict) else None
+    if fmt is None:
+        return ""
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad("output_config.format", "'format' must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    return json_text({"type": "json_schema", "schema": fmt["schema"], "strict": True})
+
+
+def parse(body: dict, rid: str, count_only: bool = False) -> Job:
+    """`count_only`: /v1/messages/count_tokens, which needs no max_tokens."""
+    if body.get("max_tokens") is None and not count_only:
+        raise bad("max_tokens", "Field required")
+    params = sampling(body, "max_tokens", ("temperature", "top_p", "top_k"), lo=1)
+    msgs = messages(body)
+    stops = _stops(body)
+    tool_json, choice = tools(body)
+    stream = get_bool(body, "stream")
+    tc = body.get("tool_choice")
+    parallel = not (isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True)
+    # logprobs carry every sampled token's bytes: how the frontend tells which stop string ended it
+    req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(msgs), stop=stops,
+                          tools=tool_json, tool_choice=choice, logprobs=bool(stops), parallel_tool_calls=parallel,
+                          response_format=_output_format(body), count_only=count_only)
+    return Job(req, stream and not count_only)
