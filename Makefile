@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test stress bench model install clean
+.PHONY: serve test stress bench model install agents clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: model
 # the whole stress campaign (`make test` runs its fast subset); numbers in bench/RESULTS-stress.md
 stress: model
 	RICORDO_STRESS=full $(BIN)/python -m pytest -q -rxs tests/stress
+
+# Codex CLI and Claude Code in agents/node_modules (npm, not global); tests/e2e/test_real_agents.py runs them
+agents:
+	cd agents && npm install --no-audit --no-fund --loglevel=error
 
 bench: model
 	$(BIN)/python bench/bench_model.py

@@ -42,6 +42,8 @@ class Settings:
     max_body_bytes: int = opt(8 << 20, "largest accepted request body", ("web",))
     strict_model_names: bool = opt(False, "404 for a request naming another model (else the loaded model "
                                    "serves any name, and the answer names it)", ("web",))
+    n_predict: int = opt(0, "most tokens one answer may have, whatever the request asks (0 = until the context "
+                         "is full), as llama.cpp's --n-predict", ("renderer",))
     max_queue: int = opt(64, "requests waiting for the model beyond which new ones get 429", ("renderer",))
     log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
     # disk KV cache (names and defaults of ds4-server, docs/kv-format.md)

@@ -19,7 +19,8 @@ import logging
 from common.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallFunction
 from procs.frontend import normalize
 from procs.frontend.errors import bad
-from procs.frontend.fields import function_tool, get_bool, json_text, named_choice, sampling
+from procs.frontend.fields import (function_tool, get_bool, json_text, message_role, named_choice, sampling,
+                                   stops)
 from procs.frontend.flow import Job
 from procs.frontend.toolset import Toolset, left_out, tool_list
 
@@ -109,11 +110,7 @@ def messages(body: dict) -> list[ChatMessage]:
         raise bad("messages", "'messages' must be a non-empty list")
     for i, msg in enumerate(msgs):
         at = f"messages.{i}"
-        if not isinstance(msg, dict):
-            raise bad(at, "each message must be an object")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise bad(f"{at}.role", f"unknown role {role!r}; expected user, assistant or system")
+        role = message_role(msg, at, ROLES)
         if role == "system":
             m = _system(msg.get("content"), f"{at}.content")
             if m is not None:
@@ -161,17 +158,6 @@ def tools(body: dict) -> tuple[str, str]:
     return ts.json(), json_text(out) if out is not None else ""
 
 
-def _stops(body: dict) -> tuple[str, ...]:
-    v = body.get("stop_sequences")
-    if v is None:
-        return ()
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise bad("stop_sequences", "'stop_sequences' must be a list of strings")
-    if len(v) > MAX_STOPS:
-        raise bad("stop_sequences", f"'stop_sequences' may hold at most {MAX_STOPS} strings")
-    return tuple(s for s in v if s)
-
-
 def _output_format(body: dict) -> str:
     """`output_config.format` (structured outputs): a JSON schema the answer must follow."""
     cfg = body.get("output_config")
@@ -189,13 +175,13 @@ def parse(body: dict, rid: str, count_only: bool = False) -> Job:
         raise bad("max_tokens", "Field required")
     params = sampling(body, "max_tokens", ("temperature", "top_p", "top_k"), lo=1)
     msgs = messages(body)
-    stops = _stops(body)
+    stop = stops(body, "stop_sequences", MAX_STOPS, one_string=False)
     tool_json, choice = tools(body)
     stream = get_bool(body, "stream")
     tc = body.get("tool_choice")
     parallel = not (isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True)
     # logprobs carry every sampled token's bytes: how the frontend tells which stop string ended it
-    req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(msgs), stop=stops,
-                          tools=tool_json, tool_choice=choice, logprobs=bool(stops), parallel_tool_calls=parallel,
+    req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(msgs), stop=stop,
+                          tools=tool_json, tool_choice=choice, logprobs=bool(stop), parallel_tool_calls=parallel,
                           response_format=_output_format(body), count_only=count_only)
     return Job(req, stream and not count_only)

@@ -96,6 +96,30 @@ def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int 
     return p
 
 
+def message_role(msg, at: str, roles: tuple[str, ...]) -> str:
+    """The role of one message (an object), among `roles`."""
+    if not isinstance(msg, dict):
+        raise bad(at, "each message must be an object")
+    role = msg.get("role")
+    if role not in roles:
+        raise bad(f"{at}.role", f"unknown role {role!r}; expected one of {', '.join(roles)}")
+    return role
+
+
+def stops(body: dict, key: str, most: int, one_string: bool) -> tuple[str, ...]:
+    """Stop strings: a list of at most `most` strings (or one string, where the API allows)."""
+    v = body.get(key)
+    if v is None:
+        return ()
+    if isinstance(v, str) and one_string:
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad(key, f"'{key}' must be {'a string or ' if one_string else ''}a list of strings")
+    if len(v) > most:
+        raise bad(key, f"'{key}' may hold at most {most} strings")
+    return tuple(s for s in v if s)
+
+
 def function_tool(name, description, parameters, at: str, schema_key: str = "parameters",
                   strict=None, name_at: str | None = None) -> dict:
     """One function tool in the chat shape ({"type": "function", "function": {...}}), keys in

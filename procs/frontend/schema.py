@@ -9,7 +9,7 @@ from __future__ import annotations
 from common.messages import ChatMessage, GenerateRequest, SamplingParams, ToolCall, ToolCallFunction
 from procs.frontend.errors import bad
 from procs.frontend.fields import (function_tool, get_bool, get_int, json_text, named_choice,
-                                   output_format, sampling)
+                                   message_role, output_format, sampling, stops)
 from procs.frontend.flow import Job
 
 MAX_STOPS = 4
@@ -19,19 +19,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def _sampling(body: dict, top_logprobs: int) -> SamplingParams:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return sampling(body, key, ("temperature", "top_p", "top_k", "min_p", "seed"), top_logprobs)
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise bad("stop", "'stop' must be a string or a list of strings")
-    if len(v) > MAX_STOPS:
-        raise bad("stop", f"'stop' may hold at most {MAX_STOPS} strings")
-    return tuple(s for s in v if s)
 
 
 def _n(body: dict) -> None:
@@ -102,11 +89,7 @@ def _tool_calls(v, where: str) -> tuple[ToolCall, ...]:
 
 def _message(i: int, msg) -> ChatMessage:
     at = f"messages[{i}]"
-    if not isinstance(msg, dict):
-        raise bad(at, "each message must be an object")
-    role = msg.get("role")
-    if role not in ROLES:
-        raise bad(f"{at}.role", f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    role = message_role(msg, at, ROLES)
     content = _content(msg.get("content"), f"{at}.content")
     name = msg.get("name")
     if name is not None and not isinstance(name, str):
@@ -176,7 +159,8 @@ def parse_chat(body: dict, rid: str) -> Job:
     params = _sampling(body, top)
     stream, usage = _stream(body)
     tools, choice = _tools(body)
-    req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=messages, stop=_stop(body),
+    req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=messages,
+                          stop=stops(body, "stop", MAX_STOPS, one_string=True),
                           tools=tools, tool_choice=choice, logprobs=logprobs,
                           response_format=output_format(body.get("response_format"), "response_format", "json_schema"),
                           parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True)
@@ -219,6 +203,7 @@ def parse_completion(body: dict, rid: str) -> Job:
             raise bad("logprobs", "'logprobs' must be between 0 and 20")
     params = _sampling(body, lp or 0)
     stream, usage = _stream(body)
-    req = GenerateRequest(rid=rid, kind="completion", sampling=params, prompt=prompt, stop=_stop(body),
+    req = GenerateRequest(rid=rid, kind="completion", sampling=params, prompt=prompt,
+                          stop=stops(body, "stop", MAX_STOPS, one_string=True),
                           logprobs=lp is not None)
     return Job(req, stream, include_usage=usage)

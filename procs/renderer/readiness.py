@@ -12,7 +12,9 @@ import zmq
 
 from common import messages as m
 
-HEALTH_FRESH_S = 5.0      # inference counts as up if it said anything this recently
+HEALTH_FRESH_S = 5.0      # inference counts as up if it said anything this recently ...
+BUSY_FRESH_S = 30.0       # ... or this, while it runs a job: it answers pings between prefill chunks,
+                          # and one 512-token chunk at a 20k-token context takes ~7 s on 2 cores
 READY_WAIT_S = 120.0      # a request held this long while the server is not ready fails (503)
 HELLO_EVERY_S = 2.0       # RendererHello repeats until the persister's state arrives
 
@@ -21,7 +23,8 @@ class Readiness:
     def lacks(self) -> str:
         """What the renderer does not know yet to serve correctly ("" when ready)."""
         missing = []
-        if self.inference is None or time.monotonic() - self.last_heard >= HEALTH_FRESH_S:
+        window = HEALTH_FRESH_S if self.current is None else BUSY_FRESH_S
+        if self.inference is None or time.monotonic() - self.last_heard >= window:
             missing.append("the inference process (starting: loading its model)" if self.inference is None
                            else "the inference process (not answering)")
         elif self.live is None:

@@ -250,7 +250,7 @@ class Renderer(Readiness, Answers):
         for line in pl.notes:
             self.trace.line(line)
         p.ids, p.miss = pl.ids, pl.miss
-        budget = min(p.req.sampling.max_tokens, self.n_ctx - pl.n_prompt)
+        budget = min(p.req.sampling.max_tokens, self.n_ctx - pl.n_prompt, self.s.n_predict or self.n_ctx)
         # the client's parameters, every field kept, with the budget and stop ids decided here
         sampling = msgspec.structs.replace(p.req.sampling, max_tokens=budget,
                                            stop_ids=tuple(sorted(self.text.stop_ids)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import signal
+import time
 
 import pytest
 
@@ -173,3 +174,21 @@ def test_persister_sends_its_state_at_start_and_when_asked(settings, keep_signal
     assert isinstance(st, m.PersisterState) and st.boot == sent[0].boot and st.tool_ids == (("call_1", b"block"),)
     for sock in (p.pull, p.to_inference, p.to_renderer):
         sock.close(0)
+
+
+def test_a_long_prefill_chunk_does_not_make_the_server_unready(renderer):
+    """Inference answers pings between prefill chunks; at a long context one chunk takes
+    seconds, more than the idle freshness window. While a job runs, the window is longer."""
+    r = renderer
+    inference_up(r)
+    r.on_event(m.LiveState(rid="", boot="inf-1", tokens=()))
+    r.on_event(m.PersisterState(boot="p-1", index=m.IndexSnapshot(entries=(), version=1)))
+    request(r, "long")
+    assert r.current is not None and r.current.req.rid == "long"
+    r.last_heard -= readiness.HEALTH_FRESH_S + 2          # silent for longer than the idle window
+    assert health(r).ready
+    r.last_heard -= readiness.BUSY_FRESH_S                # ... but not forever
+    assert not health(r).ready and "not answering" in health(r).detail
+    r.current = None                                         # idle: the short window again
+    r.last_heard = time.monotonic() - readiness.HEALTH_FRESH_S - 1
+    assert not health(r).ready
