@@ -1,5 +1,7 @@
 """Volatile text that agents put into their prompts, taken out before rendering so that two
-sessions of the same agent render the same prefix (and hit the same KV cache).
+sessions of the same agent render the same prefix (and hit the same KV cache). Applied to
+the system text of every API: system/developer messages and blocks, Responses'
+`instructions`.
 
 Each rule is one line: which agent, what it looks like (a regular expression matched against
 a whole line of system text), and why it goes. A system block or message that holds nothing

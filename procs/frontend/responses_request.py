@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 
 from common.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallFunction
+from procs.frontend import normalize
 from procs.frontend.errors import bad
 from procs.frontend.fields import (TOOL_NAME, function_tool, get_bool, json_text, named_choice,
                                    output_format, sampling)
@@ -90,6 +91,7 @@ def _messages(body: dict, tools: Toolset) -> list[ChatMessage]:
     if instr is not None:
         if not isinstance(instr, str):
             raise bad("instructions", "'instructions' must be a string")
+        instr = normalize.system_text(instr)
         if instr:
             out.append(ChatMessage(role="system", content=instr))
     inp = body.get("input")
@@ -109,7 +111,10 @@ def _messages(body: dict, tools: Toolset) -> list[ChatMessage]:
             role = item.get("role")
             if role not in ROLES:
                 raise bad(f"{at}.role", f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
-            out.append(ChatMessage(role=role, content=_text(item.get("content"), f"{at}.content", "content")))
+            text = _text(item.get("content"), f"{at}.content", "content")
+            if role in ("system", "developer"):
+                text = normalize.system_text(text)
+            out.append(ChatMessage(role=role, content=text))
             prev_open = role == "assistant"
         elif kind in CALLS:
             call = _call(item, at, tools)

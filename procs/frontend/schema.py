@@ -7,6 +7,7 @@ need the tokenizer (the context length) are the renderer's to report.
 from __future__ import annotations
 
 from common.messages import ChatMessage, GenerateRequest, SamplingParams, ToolCall, ToolCallFunction
+from procs.frontend import normalize
 from procs.frontend.errors import bad
 from procs.frontend.fields import (function_tool, get_bool, get_int, json_text, named_choice,
                                    message_role, output_format, sampling, stops)
@@ -91,6 +92,8 @@ def _message(i: int, msg) -> ChatMessage:
     at = f"messages[{i}]"
     role = message_role(msg, at, ROLES)
     content = _content(msg.get("content"), f"{at}.content")
+    if role in ("system", "developer") and content:
+        content = normalize.system_text(content)
     name = msg.get("name")
     if name is not None and not isinstance(name, str):
         raise bad(f"{at}.name", "'name' must be a string")

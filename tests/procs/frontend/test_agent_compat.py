@@ -261,3 +261,14 @@ def test_normalize_rules():
     assert normalize.system_text(keep) == keep
     assert normalize.system_text("no header here") == "no header here"
     assert all(r.why and r.agent for r in normalize.RULES)
+
+
+def test_normalize_applies_to_the_system_text_of_every_api():
+    be, post, _ = make()
+    post("/v1/chat/completions", {"messages": [{"role": "system", "content": f"{BILLING}\nBe brief."},
+                                               {"role": "user", "content": "x"}]})
+    post("/v1/responses", {"instructions": f"{BILLING}\nBe brief.", "input": [
+        {"role": "developer", "content": f"{BILLING}\nRules."}, {"role": "user", "content": "x"}]})
+    chat, resp = be.requests
+    assert chat.messages[0].content == "Be brief."
+    assert [m.content for m in resp.messages[:2]] == ["Be brief.", "Rules."]
