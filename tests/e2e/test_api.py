@@ -284,8 +284,8 @@ def test_client_disconnect_stops_generation(server):
 
 @pytest.fixture(scope="module")
 def small():
-    with Server(env={"RICORDO_CTX_SIZE": str(SMALL_CTX), "RICORDO_MAX_BODY_BYTES": str(SMALL_BODY)},
-                name="ricordo-small") as srv:
+    with Server(env={"RICORDO_CTX_SIZE": str(SMALL_CTX), "RICORDO_MAX_BODY_BYTES": str(SMALL_BODY),
+                     "RICORDO_STRICT_MODEL_NAMES": "1"}, name="ricordo-small") as srv:
         srv.initial = srv.children()
         yield srv
 
@@ -396,6 +396,7 @@ def test_max_tokens_clamped_to_the_context_left(small):
 
 
 def test_unknown_model(small, post):
+    """--strict-model-names (the small server has it): another model's name is a 404."""
     assert_error(post("/v1/chat/completions", chat_body(small, model="gpt-17")), 404, param="model",
                  code="model_not_found")
     assert_error(post("/v1/completions", {"model": "gpt-17", "prompt": "x"}), 404, param="model",
