@@ -115,9 +115,10 @@ def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     safetensors dir holds exactly, so Q4 and Q8 files (and the HF original) of one model
     agree, and two fine-tunes of one shape do not.
 
-    An unscaled Llama hashes the same bytes as before architectures were described (the
-    arch name was always the prefix), so its checkpoints stay valid. norm_eps is hashed at
-    f32 precision, as GGUF stores it; rope factors to 6 significant digits, as a GGUF's f32
+    An unscaled Llama GGUF hashes the same bytes as before architectures were described
+    (the arch name was always the prefix), so its checkpoints stay valid. norm_eps is hashed
+    at f32 precision, as GGUF stores it (an HF dir's 1e-5 hashed as itself before, so its
+    fingerprint never equalled its GGUF's); rope factors to 6 significant digits, as a GGUF's f32
     rope_freqs and a config's f64 computation of the same scaling agree to that."""
     skip = ("quant_bits", "max_context", "arch", "rope_factors")
     dims = {k: v for k, v in asdict(cfg).items() if k not in skip}

@@ -195,6 +195,23 @@ def test_parity_with_transformers(case):
     assert model.fingerprint == gmodel.fingerprint   # one model, whichever file it came from
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_exact_mode_holds_with_biases_and_qk_norms(build, name):
+    """Exact mode's promise (bit-identical prefill rows however a prompt is split between a
+    restored prefix and the prefill) holds with the row-wise ops these architectures add."""
+    _, _, hf_dir, _ = build(name)
+    model = Llama(load(hf_dir, torch.float32, "cpu"), MAX_POS)
+    ids = _prompt(name)
+    whole = KVSession(model, MAX_POS, 16, exact=True)
+    want = whole.prefill(ids, logits_at=range(17, PROMPT + 1))
+    resumed = KVSession(model, MAX_POS, 16, exact=True)
+    toks, k, v = whole.export(16)
+    resumed.import_(toks, None, k, v)
+    got = resumed.prefill(ids[16:], logits_at=range(17, PROMPT + 1))
+    for n in range(17, PROMPT + 1):
+        assert torch.equal(got[n], want[n]), n
+
+
 def test_llama3_scaling_matters(build):
     """Loading llama3 without its scaling would give other logits (the test can fail)."""
     name, m, hf_dir, _ = build("llama3")
