@@ -21,6 +21,10 @@ from common.gguf_file import GGUFFile
 _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2/Qwen3 (tokenizer.ggml.pre "qwen2"): llama3's regex with single digits; llama.cpp
+# writes tokenizer.json's (?i:'s|...) as explicit case classes, which onig needs neither way
+_QWEN2_RE = _LLAMA3_RE.replace(r"|\p{N}{1,3}|", r"|\p{N}|")
+_QWEN2_LIKE = {"qwen2", "stablelm2", "hunyuan"}
 _DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _GPT2_LIKE = {"gpt2", "default", "olmo", "jais"}
 _LLAMA3_LIKE = {"llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"}
@@ -139,6 +143,8 @@ def from_gguf(g: GGUFFile) -> TextModel:
         regex = _GPT2_RE
     elif pre in _LLAMA3_LIKE:
         regex = _LLAMA3_RE
+    elif pre in _QWEN2_LIKE:
+        regex = _QWEN2_RE
     else:
         raise TokenizerError(f"unsupported pre-tokenizer {pre!r}")
     seq = []

@@ -1,8 +1,9 @@
 """Load a Llama-family checkpoint (GGUF, or a Hugging Face safetensors dir) into torch.
 
-Format quirks live here, never in forward(): GGUF stores Q/K rows permuted for llama.cpp's
-adjacent-pair RoPE, and we un-permute them to the Hugging Face half-split layout the model
-uses; quantized tensors are dequantized once, into the compute dtype.
+The architectures (Llama, Mistral, Qwen2, Qwen3) are described in procs/inference/archs.py.
+Format quirks live here, never in forward(): Llama-family GGUFs store Q/K rows permuted for
+llama.cpp's adjacent-pair RoPE, and we un-permute them to the Hugging Face half-split layout
+the model uses; quantized tensors are dequantized once, into the compute dtype.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import struct
 from dataclasses import asdict, dataclass
 
@@ -17,13 +19,11 @@ import numpy as np
 import torch
 
 from common.gguf_file import GGUFError, GGUFFile
+from procs.inference.archs import (LAYER_TENSORS, ModelLoadError, arch_of, gguf_rope, hf_rope,
+                                   layer_names, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
-
-
-class ModelLoadError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class ModelConfig:
     max_context: int
     tied_embeddings: bool
     quant_bits: int
+    arch: str = "llama"                    # archs.Arch.name: which tensors the layers carry
+    # RoPE scaling as per-frequency divisors, inv_freq[i] = theta^(-2i/D) / rope_factors[i]
+    # (llama.cpp's rope_freqs convention); () when unscaled
+    rope_factors: tuple[float, ...] = ()
 
 
 @dataclass
@@ -106,13 +110,23 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
-    """16 bytes naming the model, not its quantization: the geometry plus the RMSNorm
-    weights, which every GGUF quantization keeps in F32 and a safetensors dir holds
-    exactly, so Q4 and Q8 files (and the HF original) of one model agree, and two
-    fine-tunes of one shape do not."""
-    dims = {k: v for k, v in asdict(cfg).items() if k not in ("quant_bits", "max_context")}
+    """16 bytes naming the model, not its quantization: the architecture, the geometry, the
+    RoPE scaling, plus the RMSNorm weights, which every GGUF quantization keeps in F32 and a
+    safetensors dir holds exactly, so Q4 and Q8 files (and the HF original) of one model
+    agree, and two fine-tunes of one shape do not.
+
+    An unscaled Llama GGUF hashes the same bytes as before architectures were described
+    (the arch name was always the prefix), so its checkpoints stay valid. norm_eps is hashed
+    at f32 precision, as GGUF stores it (an HF dir's 1e-5 hashed as itself before, so its
+    fingerprint never equalled its GGUF's); rope factors to 6 significant digits, as a GGUF's f32
+    rope_freqs and a config's f64 computation of the same scaling agree to that."""
+    skip = ("quant_bits", "max_context", "arch", "rope_factors")
+    dims = {k: v for k, v in asdict(cfg).items() if k not in skip}
+    dims["norm_eps"] = float(np.float32(cfg.norm_eps))
     h = hashlib.blake2b(digest_size=16)
-    h.update(b"llama\0" + json.dumps(dims, sort_keys=True).encode())
+    h.update(cfg.arch.encode() + b"\0" + json.dumps(dims, sort_keys=True).encode())
+    if cfg.rope_factors:
+        h.update(b"rope_factors\0" + ",".join(f"{f:.6g}" for f in cfg.rope_factors).encode())
     for name in sorted(norms):   # as stored (f32), before any cast to the compute dtype
         h.update(name.encode() + norms[name].cpu().numpy().tobytes())
     return h.digest()
@@ -120,11 +134,9 @@ def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
 
 def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     g = GGUFFile(path)
-    arch = g.arch()
-    if arch not in ("llama", "mistral"):
-        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (Llama family only)")
+    arch = arch_of(g.arch(), path)
     m = g.meta
-    p = arch + "."
+    p = g.arch() + "."
     try:
         n_heads = int(m[p + "attention.head_count"])
         dim = int(m[p + "embedding_length"])
@@ -136,20 +148,25 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         if t.name.endswith(".weight") and len(t.shape) == 2:
             types[t.type_name] = types.get(t.type_name, 0) + 1
     main_type = max(types, key=types.get)
+    head_dim = int(m.get(p + "attention.key_length", dim // n_heads))
+    rf = _dequant(g, "rope_freqs.weight").tolist() if "rope_freqs.weight" in g.tensors else None
+    theta, factors = gguf_rope(m, p, head_dim, rf, path)
     cfg = ModelConfig(
         n_layers=int(m[p + "block_count"]), dim=dim, ffn_dim=int(m[p + "feed_forward_length"]),
         n_heads=n_heads, n_kv_heads=int(m.get(p + "attention.head_count_kv", n_heads)),
-        head_dim=int(m.get(p + "attention.key_length", dim // n_heads)),
-        vocab_size=int(emb.shape[1]), rope_theta=float(m.get(p + "rope.freq_base", 10000.0)),
+        head_dim=head_dim, vocab_size=int(emb.shape[1]), rope_theta=theta,
         norm_eps=float(m[p + "attention.layer_norm_rms_epsilon"]),
         max_context=int(m.get(p + "context_length", 4096)),
-        tied_embeddings="output.weight" not in g.tensors, quant_bits=QUANT_BITS.get(main_type, 0))
+        tied_embeddings="output.weight" not in g.tensors, quant_bits=QUANT_BITS.get(main_type, 0),
+        arch=arch.name, rope_factors=factors)
+    _check_unused(arch, g.tensors, r"blk\.\d+\.", 1, path)
     names = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
     for i in range(cfg.n_layers):
-        for a, b in (("attn_norm", "attn_norm"), ("attn_q", "wq"), ("attn_k", "wk"),
-                     ("attn_v", "wv"), ("attn_output", "wo"), ("ffn_norm", "ffn_norm"),
-                     ("ffn_gate", "w_gate"), ("ffn_up", "w_up"), ("ffn_down", "w_down")):
-            names[f"blk.{i}.{a}.weight"] = f"layers.{i}.{b}"
+        for ours in layer_names(arch):
+            names[f"blk.{i}.{LAYER_TENSORS[ours][1]}"] = f"layers.{i}.{ours}"
+    # rows of Q per query head, of K per key/value head, when permuted (no permuted
+    # architecture has q/k biases: archs.layer_names)
+    permuted = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if arch.gguf_permuted_qk else {}
     tensors, q4, norms = {}, {}, {}
     for gname, ours in names.items():
         if gname not in g.tensors:
@@ -158,7 +175,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             raise ModelLoadError(f"{path}: missing tensor {gname}")
         info = g.tensors[gname]
         w = _dequant(g, gname)
-        heads = {".wq": cfg.n_heads, ".wk": cfg.n_kv_heads}.get(ours[-3:])
+        heads = permuted.get(ours.rsplit(".", 1)[-1])
         if heads:
             w = _unpermute(w, heads)
         if ours.endswith("norm"):
@@ -192,8 +209,9 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
 def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
-    if c.get("model_type") not in ("llama", "mistral"):
-        raise ModelLoadError(f"{path}: unsupported model_type {c.get('model_type')!r}")
+    arch = arch_of(str(c.get("model_type")), path)
+    if c.get("use_sliding_window"):
+        raise ModelLoadError(f"{path}: sliding-window attention is not supported")
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
@@ -201,23 +219,20 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     for fp in files:
         st.update(_read_safetensors(fp))
     n_heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
+    theta, factors = hf_rope(c, head_dim, path)
     cfg = ModelConfig(
         n_layers=c["num_hidden_layers"], dim=c["hidden_size"], ffn_dim=c["intermediate_size"],
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
-        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, vocab_size=c["vocab_size"],
-        rope_theta=float(c.get("rope_theta", 10000.0)), norm_eps=float(c["rms_norm_eps"]),
-        max_context=int(c.get("max_position_embeddings", 4096)),
-        tied_embeddings="lm_head.weight" not in st, quant_bits=16)
+        head_dim=head_dim, vocab_size=c["vocab_size"], rope_theta=theta,
+        norm_eps=float(c["rms_norm_eps"]), max_context=int(c.get("max_position_embeddings", 4096)),
+        tied_embeddings="lm_head.weight" not in st, quant_bits=16, arch=arch.name, rope_factors=factors)
+    _check_unused(arch, st, r"model\.layers\.\d+\.", 0, path)
     names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
              "lm_head.weight": "lm_head"}
     for i in range(cfg.n_layers):
-        pre = f"model.layers.{i}."
-        for a, b in (("input_layernorm", "attn_norm"), ("self_attn.q_proj", "wq"),
-                     ("self_attn.k_proj", "wk"), ("self_attn.v_proj", "wv"),
-                     ("self_attn.o_proj", "wo"), ("post_attention_layernorm", "ffn_norm"),
-                     ("mlp.gate_proj", "w_gate"), ("mlp.up_proj", "w_up"),
-                     ("mlp.down_proj", "w_down")):
-            names[pre + a + ".weight"] = f"layers.{i}.{b}"
+        for ours in layer_names(arch):
+            names[f"model.layers.{i}.{LAYER_TENSORS[ours][0]}"] = f"layers.{i}.{ours}"
     tensors, norms = {}, {}
     for hf, ours in names.items():
         if hf not in st:
@@ -229,6 +244,13 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             norms[ours] = w.float()
         tensors[ours] = w.to(device=device, dtype=dtype)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})
+
+
+def _check_unused(arch, names, layer_prefix: str, fmt: int, path: str) -> None:
+    present = {re.sub("^" + layer_prefix, "", n) for n in names if re.match(layer_prefix, n)}
+    extra = unused_math(arch, present, fmt)
+    if extra:
+        raise ModelLoadError(f"{path}: tensors {extra} are not part of architecture {arch.name!r}")
 
 
 def load(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:

@@ -1,5 +1,9 @@
 """Llama-family decoder in plain torch, and the KV session it fills.
 
+What an architecture adds (q/k/v biases, per-head q/k norms, RoPE scaling) arrives as
+tensors and config from the loader (procs/inference/archs.py); forward() applies whatever a
+layer carries and never asks which architecture it runs.
+
 Shapes: T = tokens in this call, S = keys attended (position + T), H = query heads,
 KV = key/value heads, D = head dim. The K/V cache is preallocated for the whole context as
 [layers, KV, ctx, D]; row i holds absolute position i. Prefill runs in chunks whose
@@ -66,9 +70,16 @@ class Llama:
 
             def fused(*names):
                 return _fuse([q4.get(p + n) for n in names], [t[p + n] for n in names])
+            bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
+            qkn = None
+            if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
+                qkn = torch.cat([t[p + "q_norm"].expand(c.n_heads, -1),
+                                 t[p + "k_norm"].expand(c.n_kv_heads, -1)]).contiguous()
             self.layers.append((
                 t[p + "attn_norm"],
                 fused("wq", "wk", "wv"),                       # [(H+2KV)*D, dim]
+                bias,                                          # [(H+2KV)*D] or None
+                qkn,                                           # [H+KV, D] or None
                 fused("wo"),
                 t[p + "ffn_norm"],
                 fused("w_gate", "w_up"),                       # [2*ffn, dim]
@@ -77,6 +88,8 @@ class Llama:
         del w.tensors, w.q4
         # rotary tables in float32, cast once: [ctx, D] (HF half-split layout)
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        if c.rope_factors:   # RoPE scaling: per-frequency divisors (loader.ModelConfig)
+            inv = inv / torch.tensor(c.rope_factors, dtype=torch.float64)
         ang = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)
         ang = torch.cat([ang, ang], dim=-1)
         self.cos = ang.cos().to(self.device, self.dtype)
@@ -127,10 +140,15 @@ class Llama:
         elif T > 1:  # causal, bottom-right aligned: query i sees keys 0..pos+i
             mask = torch.full((T, S), float("-inf"), dtype=self.dtype, device=self.device)
             mask = mask.triu_(pos + 1)
-        for li, (an, wqkv, wo, fn, wgu, wd) in enumerate(self.layers):
+        for li, (an, wqkv, bqkv, qkn, wo, fn, wgu, wd) in enumerate(self.layers):
             h = F.rms_norm(x, (c.dim,), an, c.norm_eps)
             qkv = lin(wqkv, h)                                       # [T, (H+2KV)*D]
-            qk = self._rope(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)   # q and k at once
+            if bqkv is not None:
+                qkv = qkv + bqkv
+            qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)
+            if qkn is not None:   # RMSNorm over each head of q and k (row-wise: exact mode holds)
+                qk = F.rms_norm(qk, (D,), None, c.norm_eps) * qkn
+            qk = self._rope(qk, cos, sin)                            # q and k at once
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:]
             kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
             vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)

@@ -132,3 +132,43 @@ def test_resolve(tmp_path, model_path):
     os.mkdir(tmp_path / "dir")
     with pytest.raises(ModelError, match="tokenizer.json"):
         load_text(str(tmp_path / "dir"))
+
+
+def test_qwen2_pre_tokenizer_matches_tokenizer_json(tmp_path):
+    """A GGUF with tokenizer.ggml.pre "qwen2" (Qwen2, Qwen3) splits like Qwen's own
+    tokenizer.json regex: digits one at a time (llama3 takes up to three), contractions
+    any case. Merges that join digits or letters across those splits make a wrong split
+    show in the ids."""
+    gguf = pytest.importorskip("gguf")
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from common.tokenizer import _byte_decoder
+    chars = sorted(_byte_decoder(), key=_byte_decoder().get)          # byte order
+    merges = [("1", "2"), ("12", "3"), ("'", "S"), ("Ġ", "4"), ("a", "b"), ("Ċ", "Ċ"), ("Ġ", "!")]
+    tokens = chars + [a + b for a, b in merges]
+
+    def gguf_tokenizer(pre: str):
+        path = str(tmp_path / f"{pre}.gguf")
+        w = gguf.GGUFWriter(path, "qwen2")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([1] * len(tokens))
+        w.add_token_merges([f"{a} {b}" for a, b in merges])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        return load_text(path).tokenizer
+    ours = gguf_tokenizer("qwen2")
+    ref = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    ref.pre_tokenizer = pre_tokenizers.Sequence([   # Qwen2.5's tokenizer.json, verbatim
+        pre_tokenizers.Split(Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+                             behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    ref.decoder = decoders.ByteLevel()
+    for text in ["123 1234 ab's IT'S x 4!", "a\n\n\nb  12\t3 !!", "ünïcödé 42 'S'", ""]:
+        got, want = ours.encode(text).ids, ref.encode(text).ids
+        assert got == want, text
+    # the merges make a wrong split visible: llama3's regex keeps "123" whole
+    assert gguf_tokenizer("llama3").encode("123").ids == [tokens.index("123")]
+    assert ours.encode("123").ids == [tokens.index(c) for c in "123"]

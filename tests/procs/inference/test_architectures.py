@@ -1,0 +1,279 @@
+"""Each supported architecture against transformers (the reference): a tiny random-weight model
+saved as a Hugging Face dir, and the same weights written as an F32 GGUF the way llama.cpp's
+converter writes them, must load into ricordo's model and give transformers' logits.
+
+Checked per architecture, in f32: the logits after every prompt token (max abs difference
+below LOGIT_TOL), 64 greedy tokens through the KV session's decode path equal to transformers'
+greedy tokens (step by step with its own KV cache), the GGUF loading to the HF dir's logits,
+and one fingerprint for both files. Run with -s to see the measured differences.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from procs.inference.archs import ModelLoadError, hf_rope, llama3_factors  # noqa: E402
+from procs.inference.loader import fingerprint, load  # noqa: E402
+from procs.inference.model import KVSession, Llama  # noqa: E402
+
+VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 320, 64, 128, 2, 4, 2, 16
+PROMPT, GREEDY, MAX_POS = 40, 64, 128
+# f32 logits are O(1-10) here; measured max abs differences are ~1e-6 (HF dir) and the GGUF
+# matches the HF dir to ~1e-6 as well (its tensors are the same f32 values).
+LOGIT_TOL = 1e-3
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+              num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+              max_position_embeddings=MAX_POS, rms_norm_eps=1e-6, bos_token_id=None,
+              eos_token_id=None, pad_token_id=None)
+# original_max_position_embeddings=64 with theta 50000 and D=16 puts one frequency in each
+# llama3 regime (kept, interpolated, divided), so the scaling matters at every position.
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+CASES = {   # name: (transformers config class, its arguments, GGUF architecture)
+    "llama": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False), "llama"),
+    "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3, tie_word_embeddings=True), "llama"),
+    "mistral": ("MistralConfig", dict(rope_theta=1e6, sliding_window=None, tie_word_embeddings=False),
+                "llama"),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1e6, tie_word_embeddings=True), "qwen2"),
+    # head_dim 32 != hidden/heads: q/k/v/o shapes must come from head_dim
+    "qwen3": ("Qwen3Config", dict(rope_theta=1e6, tie_word_embeddings=False, head_dim=32), "qwen3"),
+}
+
+
+def _hf_model(name: str):
+    cls, extra, _ = CASES[name]
+    cfg = getattr(transformers, cls)(**{**COMMON, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(sum(map(ord, name)))
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():   # transformers zeroes biases and sets norms to 1: randomize all
+        for pname, p in m.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    return m
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf LlamaModel.permute (Q and K rows, Llama family)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llamacpp_rope_freqs(rp: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf's Llama 3.1 rope_freqs, computed as it does (f32 frequencies)."""
+    base = rp["rope_theta"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    old = rp["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _write_gguf(m, path: str, arch: str) -> None:
+    c = m.config
+    head_dim = c.head_dim
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    rp = c.rope_parameters
+    w.add_rope_freq_base(float(rp["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    if rp.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llamacpp_rope_freqs(rp, head_dim))
+    for hf_name, t in m.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        a = t.numpy().astype(np.float32)
+        if arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name):
+            a = _permute(a, c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads)
+        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """build(name) -> (name, transformers model, HF dir path, GGUF path), made once."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            m = _hf_model(name)
+            d = tmp_path_factory.mktemp(name)
+            m.save_pretrained(d / "hf")
+            _write_gguf(m, str(d / "tiny.gguf"), CASES[name][2])
+            made[name] = name, m, str(d / "hf"), str(d / "tiny.gguf")
+        return made[name]
+    return get
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, build):
+    return build(request.param)
+
+
+def _prompt(name: str) -> list[int]:
+    g = torch.Generator().manual_seed(len(name))
+    return torch.randint(0, VOCAB, (PROMPT,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def _reference(m, ids: list[int]):
+    """transformers: logits after every prompt token, then GREEDY greedy tokens, each the
+    argmax of a full forward over the sequence so far (no cache API to track across versions)."""
+    logits = m(torch.tensor([ids]), use_cache=False).logits[0].float()
+    seq, toks = list(ids), []
+    nxt = int(logits[-1].argmax())
+    for _ in range(GREEDY):
+        toks.append(nxt)
+        seq.append(nxt)
+        nxt = int(m(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax())
+    return logits, toks
+
+
+def _ours(path: str, ids: list[int]):
+    model = Llama(load(path, torch.float32, "cpu"), MAX_POS)
+    s = KVSession(model, MAX_POS, 16)        # chunks of 16: the prompt crosses two boundaries
+    got = s.prefill(ids, logits_at=range(1, len(ids) + 1))
+    logits = torch.stack([got[n] for n in range(1, len(ids) + 1)])
+    toks = []
+    for _ in range(GREEDY):
+        toks.append(int(s.logits.argmax()))
+        s.decode(toks[-1])
+    return model, logits, toks
+
+
+def test_parity_with_transformers(case):
+    name, m, hf_dir, gguf_path = case
+    ids = _prompt(name)
+    ref_logits, ref_toks = _reference(m, ids)
+    model, logits, toks = _ours(hf_dir, ids)
+    gmodel, glogits, gtoks = _ours(gguf_path, ids)
+    d_hf = (logits - ref_logits).abs().max().item()
+    d_gguf = (glogits - logits).abs().max().item()
+    print(f"\n[{name}] |logits| max {ref_logits.abs().max().item():.3g}; HF dir vs transformers "
+          f"{d_hf:.3g}, GGUF vs HF dir {d_gguf:.3g} (tolerance {LOGIT_TOL:g})")
+    assert d_hf < LOGIT_TOL and d_gguf < LOGIT_TOL
+    assert toks == ref_toks
+    assert gtoks == ref_toks
+    assert len(set(ref_toks)) > 3, "a degenerate continuation would test little"
+    # one config whichever file: GGUF stores eps and the rope divisors in f32
+    same = dict(quant_bits=16, norm_eps=model.cfg.norm_eps, rope_factors=model.cfg.rope_factors)
+    assert model.cfg == dataclasses.replace(gmodel.cfg, **same)
+    np.testing.assert_allclose(gmodel.cfg.rope_factors, model.cfg.rope_factors, rtol=1e-6)
+    assert model.fingerprint == gmodel.fingerprint   # one model, whichever file it came from
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_exact_mode_holds_with_biases_and_qk_norms(build, name):
+    """Exact mode's promise (bit-identical prefill rows however a prompt is split between a
+    restored prefix and the prefill) holds with the row-wise ops these architectures add."""
+    _, _, hf_dir, _ = build(name)
+    model = Llama(load(hf_dir, torch.float32, "cpu"), MAX_POS)
+    ids = _prompt(name)
+    whole = KVSession(model, MAX_POS, 16, exact=True)
+    want = whole.prefill(ids, logits_at=range(17, PROMPT + 1))
+    resumed = KVSession(model, MAX_POS, 16, exact=True)
+    toks, k, v = whole.export(16)
+    resumed.import_(toks, None, k, v)
+    got = resumed.prefill(ids[16:], logits_at=range(17, PROMPT + 1))
+    for n in range(17, PROMPT + 1):
+        assert torch.equal(got[n], want[n]), n
+
+
+def test_llama3_scaling_matters(build):
+    """Loading llama3 without its scaling would give other logits (the test can fail)."""
+    name, m, hf_dir, _ = build("llama3")
+    w = load(hf_dir, torch.float32, "cpu")
+    assert w.config.rope_theta == 50000.0 and len(set(w.config.rope_factors)) == 3
+    plain = Llama(dataclasses.replace(w, config=dataclasses.replace(w.config, rope_factors=())), MAX_POS)
+    scaled = Llama(load(hf_dir, torch.float32, "cpu"), MAX_POS)
+    ids = torch.tensor(_prompt(name))
+    a, b = (KVSession(x, MAX_POS, 64).prefill(ids.tolist(), logits_at=[PROMPT])[PROMPT]
+            for x in (plain, scaled))
+    assert (a - b).abs().max().item() > 0.05
+
+
+# ------------------------------------------------------------------ config reading and fingerprint
+
+def test_rope_base_from_either_config_layout():
+    """transformers 5 saves rope_parameters; older configs keep a top-level rope_theta and an
+    optional rope_scaling. Both give the same base and divisors."""
+    new = {"rope_parameters": {**LLAMA3}, "max_position_embeddings": 128}
+    old = {"rope_theta": 50000.0, "max_position_embeddings": 128,
+           "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}}
+    assert hf_rope(new, 16, "x") == hf_rope(old, 16, "x")
+    assert hf_rope({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, 16, "x") == (5e5, ())
+    assert hf_rope({"rope_theta": 5e5, "rope_scaling": None}, 16, "x") == (5e5, ())
+    assert hf_rope({}, 16, "x") == (10000.0, ())
+    theta, f = hf_rope(new, 16, "x")
+    assert f == llama3_factors(50000.0, 16, 8.0, 1.0, 4.0, 64)
+    np.testing.assert_allclose(f, _llamacpp_rope_freqs(LLAMA3, 16), rtol=1e-6)
+    for bad in ({"rope_type": "yarn", "factor": 4.0}, {"rope_type": "dynamic", "factor": 2.0}):
+        with pytest.raises(ModelLoadError):
+            hf_rope({"rope_parameters": bad}, 16, "x")
+
+
+def test_fingerprint_names_architecture_and_rope_scaling(build):
+    name, _, hf_dir, _ = build("llama")
+    w = load(hf_dir, torch.float32, "cpu")
+    norms = {k: v for k, v in w.tensors.items() if k.endswith("norm")}
+    fp = fingerprint(w.config, norms)
+    assert fp == w.fingerprint
+    others = {fingerprint(dataclasses.replace(w.config, **kw), norms) for kw in (
+        dict(arch="qwen2"), dict(arch="qwen3"), dict(rope_factors=(1.0,) * 7 + (8.0,)),
+        dict(rope_factors=(2.0,) * 8), dict(rope_theta=20000.0))}
+    assert fp not in others and len(others) == 5
+    # what stays out: quantization and context; eps is hashed at GGUF's f32 precision
+    assert fingerprint(dataclasses.replace(w.config, quant_bits=4, max_context=64), norms) == fp
+    assert fingerprint(dataclasses.replace(w.config, norm_eps=float(np.float32(1e-6))), norms) == fp
+
+
+def test_unsupported_layouts_are_load_errors(build, tmp_path):
+    """Tensors that change the math but that the architecture would not read, and attention
+    the model does not run, fail the load instead of loading a different model."""
+    name, m, hf_dir, _ = build("qwen2")
+    d = tmp_path / "q"
+    d.mkdir()
+    for f in os.listdir(hf_dir):
+        os.symlink(os.path.join(hf_dir, f), d / f)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    os.unlink(d / "config.json")
+    for patch in ({"model_type": "llama"},                    # q/k/v biases a llama would drop
+                  {"use_sliding_window": True},
+                  {"model_type": "gemma"}):
+        (d / "config.json").write_text(json.dumps({**c, **patch}))
+        with pytest.raises(ModelLoadError):
+            load(str(d), torch.float32, "cpu")
