@@ -12,6 +12,7 @@ first one's cache, from the live session and, after a restart, from disk.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -132,3 +133,33 @@ def test_codex_second_session_after_a_restart_comes_from_disk(server):
     cached = r["usage"]["input_tokens_details"]["cached_tokens"]
     print(f"codex s2 turn2 after restart: {r['usage']}")
     assert cached >= 0.9 * shared
+
+
+FULL = "full" in (os.environ.get("RICORDO_STRESS", ""), os.environ.get("RICORDO_AGENTS", ""))
+
+
+@pytest.mark.skipif(not FULL, reason="a cold 23k-token prefill takes ~3 minutes on 2 cores: "
+                                     "RICORDO_STRESS=full or RICORDO_AGENTS=full")
+def test_claude_code_second_session_reuses_the_first_at_32k(tmp_path):
+    """At a context that holds Claude Code's prompt: the second session's first turn is served
+    from the first session's live state, and after a restart its second turn from disk."""
+    env = {"RICORDO_CTX_SIZE": "32768", "RICORDO_KV_DISK_DIR": str(tmp_path / "kv")}
+    (tmp_path / "kv").mkdir()
+    with Server(env=env, name="ricordo-claude-32k") as srv:
+        def turn(name: str) -> dict:
+            r = replay(srv, "claude", name, max_tokens=ANSWER)
+            assert r.status_code == 200, r.text[:2000]
+            ev = sse(r.text)
+            start = ev[0][1]["message"]["usage"]
+            final = [d for n, d in ev if n == "message_delta"][0]["usage"]
+            assert start["cache_read_input_tokens"] == final["cache_read_input_tokens"]   # known from the start
+            return final
+        first = turn("session1_turn1")
+        whole = first["input_tokens"] + first["cache_read_input_tokens"]
+        second = turn("session2_turn1")
+        print(f"claude code: session 1 {first}, session 2 {second}")
+        assert whole > 20000 and second["cache_read_input_tokens"] >= 0.9 * whole
+        srv.restart()
+        again = turn("session2_turn2")
+        print(f"claude code after a restart: {again}")
+        assert again["cache_read_input_tokens"] >= 0.9 * whole
