@@ -366,3 +366,21 @@ def test_validate_sampling_rejects(kw, param):
                                 {"top_p": 0.01, "min_p": 1.0, "top_k": 5, "top_logprobs": 20}])
 def test_validate_sampling_accepts(kw):
     validate_sampling(SamplingParams(**kw))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_is_sdpa_with_grouped_heads(dtype, tol):
+    """The CPU decode attention (one query row, the query heads of a K/V head as one GEMM)
+    against SDPA with enable_gqa, the kernel prefill uses."""
+    from procs.inference.model import _decode_attention
+    torch.manual_seed(0)
+    H, KV, D, S = 9, 3, 64, 777
+    q, k, v = torch.randn(H, D).to(dtype), torch.randn(KV, S, D).to(dtype), torch.randn(KV, S, D).to(dtype)
+    want = torch.nn.functional.scaled_dot_product_attention(q.view(1, H, 1, D), k.unsqueeze(0), v.unsqueeze(0),
+                                                            enable_gqa=True).view(1, H * D)
+    got = _decode_attention(q, k, v)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert (got.float() - want.float()).abs().max().item() <= tol
+    wrong = torch.nn.functional.scaled_dot_product_attention(      # heads paired the other way: far off
+        q.view(1, H, 1, D), k.unsqueeze(0).repeat(1, H // KV, 1, 1), v.unsqueeze(0).repeat(1, H // KV, 1, 1)).view(1, H * D)
+    assert (got.float() - wrong.float()).abs().max().item() > 10 * tol
