@@ -45,6 +45,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None
     top_logprobs: int = 0
     stop_ids: tuple[int, ...] = ()
+    vocab: int = 0                      # ids from here on are embedding padding with no text (0: none)
 
 
 class ToolCallFunction(msgspec.Struct, frozen=True):

@@ -26,6 +26,9 @@ class Sampler:
         the log-probabilities always the model's own."""
         p = self.p
         logits = logits.float().cpu()
+        if 0 < p.vocab < logits.shape[0]:     # padding rows (Qwen's embedding outgrows its tokenizer)
+            logits = logits[:p.vocab]
+            masked = masked[:p.vocab] if masked is not None else None
         pick = logits if masked is None else masked
         if p.temperature <= 0:
             tok = int(torch.argmax(pick))

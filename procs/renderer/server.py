@@ -253,7 +253,7 @@ class Renderer(Readiness, Answers):
         budget = min(p.req.sampling.max_tokens, self.n_ctx - pl.n_prompt, self.s.n_predict or self.n_ctx)
         # the client's parameters, every field kept, with the budget and stop ids decided here
         sampling = msgspec.structs.replace(p.req.sampling, max_tokens=budget,
-                                           stop_ids=tuple(sorted(self.text.stop_ids)))
+                                           stop_ids=tuple(sorted(self.text.stop_ids)), vocab=self.text.vocab_size)
         p.stream = TextStream(self.text, p.req.stop)
         if p.req.tools:
             choice = tool_choice(p.req)

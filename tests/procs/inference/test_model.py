@@ -384,3 +384,16 @@ def test_decode_attention_is_sdpa_with_grouped_heads(dtype, tol):
     wrong = torch.nn.functional.scaled_dot_product_attention(      # heads paired the other way: far off
         q.view(1, H, 1, D), k.unsqueeze(0).repeat(1, H // KV, 1, 1), v.unsqueeze(0).repeat(1, H // KV, 1, 1)).view(1, H * D)
     assert (got.float() - wrong.float()).abs().max().item() > 10 * tol
+
+
+def test_padding_ids_past_the_tokenizer_are_never_sampled():
+    """An embedding with more rows than the tokenizer has pieces (Qwen): those ids have no
+    text, so neither greedy nor sampling nor the alternatives may name one."""
+    logits = torch.tensor([0.0, 1.0, 2.0, 9.0, 8.0])          # the best two are padding
+    tok, lp, top = Sampler(SamplingParams(vocab=3, top_logprobs=2))(logits)
+    assert tok == 2 and [i for i, _ in top] == [2, 1]
+    assert lp == pytest.approx(float(torch.log_softmax(logits[:3], -1)[2]))
+    for seed in range(20):
+        tok, _, _ = Sampler(SamplingParams(vocab=3, temperature=5.0, seed=seed))(logits)
+        assert tok < 3
+    assert Sampler(SamplingParams())(logits)[0] == 3          # without the limit, the padding row wins
