@@ -13,7 +13,10 @@ Codex's prompt (~9.4k tokens) fits the 12k context used here. Claude Code's (~23
 does not: it gets Anthropic's overflow error, the one its compaction reacts to, and the
 test checks it says so and the server stays up. With RICORDO_STRESS=full (or
 RICORDO_AGENTS=full) Claude Code runs at a 32k context, twice, as Codex does (a cold 23k-token
-prefill takes ~3 minutes on 2 cores).
+prefill takes ~3 minutes on 2 cores). That mode is for a model that ends its answers at such a
+length: the default SmolLM2-135M (trained to 8k) does not, every answer is cut by
+RICORDO_N_PREDICT, and Claude Code gives up after three continuations ("exceeded the 64000
+output token maximum", exit 1), though every continuation is served from the live session.
 """
 from __future__ import annotations
 
