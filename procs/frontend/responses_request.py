@@ -21,7 +21,7 @@ import logging
 from common.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallFunction
 from procs.frontend import normalize
 from procs.frontend.errors import bad
-from procs.frontend.fields import (TOOL_NAME, function_tool, get_bool, json_text, named_choice,
+from procs.frontend.fields import (TOOL_NAME, function_tool, get_bool, json_text, message_role, named_choice,
                                    output_format, sampling)
 from procs.frontend.flow import Job
 from procs.frontend.toolset import CUSTOM_PARAMETERS, Toolset, custom_arguments, tool_list
@@ -108,9 +108,7 @@ def _messages(body: dict, tools: Toolset) -> list[ChatMessage]:
             raise bad(at, "each input item must be an object")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
-                raise bad(f"{at}.role", f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+            role = message_role(item, at, ROLES)
             text = _text(item.get("content"), f"{at}.content", "content")
             if role in ("system", "developer"):
                 text = normalize.system_text(text)
