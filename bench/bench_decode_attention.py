@@ -30,10 +30,10 @@ from procs.inference.runtime import build  # noqa: E402
 GROUPED = model_mod._decode_attention
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     H, D = q.shape
     return F.scaled_dot_product_attention(q.view(1, H, 1, D), k.unsqueeze(0), v.unsqueeze(0),
-                                          enable_gqa=True).view(1, H * D)
+                                          enable_gqa=True, scale=scale).view(1, H * D)
 
 
 def main(argv=None) -> int:

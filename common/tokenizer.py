@@ -15,6 +15,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from common import templates
 from common.gguf_file import GGUFFile
 
 # llama.cpp's pre-tokenizer regexes by tokenizer.ggml.pre (the ones we support)
@@ -169,7 +170,7 @@ def from_gguf(g: GGUFFile) -> TextModel:
     bos = m.get("tokenizer.ggml.bos_token_id")
     eos = m.get("tokenizer.ggml.eos_token_id")
     add_bos = bool(m.get("tokenizer.ggml.add_bos_token", False))
-    return _finish(tok, pieces, m.get("tokenizer.chat_template"),
+    return _finish(tok, pieces, m.get("tokenizer.chat_template") or templates.fallback(g.arch()),
                    None if bos is None else int(bos), None if eos is None else int(eos), add_bos)
 
 

@@ -86,9 +86,21 @@ def _generate(argv) -> int:
 
 def _fetch(argv) -> int:
     from common.config import Settings
-    from common.models import fetch_default
-    s = Settings.load("generate", argv)
-    print(fetch_default(s.models_path()))
+    from common.models import CATALOG, DEFAULT_NAME, ModelError, fetch
+    ap = Settings.parser("generate", "ricordo fetch-model")
+    ap.add_argument("name", nargs="?", default=DEFAULT_NAME, choices=list(CATALOG),
+                    help="which model of the catalogue (--list shows them)")
+    ap.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    a = ap.parse_args(argv)
+    if a.list:
+        for n, spec in CATALOG.items():
+            print(f"{n:14} {spec.file:36} {spec.about}")
+        return 0
+    try:
+        print(fetch(a.name, Settings.from_args(a).models_path()))
+    except ModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,8 +2,9 @@
 decoder, and RoPE's frequency scaling as each format states it.
 
 forward() never asks which architecture it runs: an architecture is the set of tensors the
-loader fills (biases, q/k norms), and RoPE scaling is a per-frequency divisor that the model
-folds into its rotary table once.
+loader fills (biases, q/k norms, post-norms), a few numbers in ModelConfig (activation,
+embedding scale, attention scale, per-layer sliding windows and RoPE bases), and RoPE scaling
+is a per-frequency divisor that the model folds into its rotary table once.
 """
 from __future__ import annotations
 
@@ -21,8 +22,20 @@ class Arch:
     qkv_bias: bool = False           # q/k/v projections carry biases (Qwen2)
     qk_norm: bool = False            # RMSNorm over each head of q and of k, before RoPE (Qwen3)
     # llama.cpp's converter permutes Q/K rows for its adjacent-pair RoPE only for the Llama
-    # family; Qwen GGUFs use NeoX RoPE, the Hugging Face half-split layout, unpermuted.
+    # family; Qwen and Gemma GGUFs use NeoX RoPE, the Hugging Face half-split layout, unpermuted.
     gguf_permuted_qk: bool = True
+    post_norms: bool = False         # RMSNorm on the attention and MLP outputs too (Gemma 3)
+    act: str = "silu"                # the gated MLP's activation: silu | gelu_tanh (GeGLU)
+    # Gemma's RMSNorm scales by (1 + w): HF stores w, llama.cpp's converter stores w + 1
+    hf_norm_offset: float = 0.0
+    embed_scale: bool = False        # embeddings times sqrt(dim) (Gemma)
+    # HF tensor names that differ from LAYER_TENSORS' Llama names: ours -> HF suffix
+    hf_names: tuple[tuple[str, str], ...] = ()
+
+
+_GEMMA_HF = (("ffn_norm", "pre_feedforward_layernorm.weight"),
+             ("post_attn_norm", "post_attention_layernorm.weight"),
+             ("post_ffn_norm", "post_feedforward_layernorm.weight"))
 
 
 # HF model_type and GGUF general.architecture use these same names.
@@ -31,7 +44,16 @@ ARCHS = {
     "mistral": Arch("llama"),        # Mistral 7B v0.1-v0.3 is Llama with GQA: same math
     "qwen2": Arch("qwen2", qkv_bias=True, gguf_permuted_qk=False),
     "qwen3": Arch("qwen3", qk_norm=True, gguf_permuted_qk=False),
+    # Gemma 3 text (HF Gemma3ForCausalLM is model_type gemma3_text; GGUF says gemma3)
+    "gemma3": Arch("gemma3", qk_norm=True, gguf_permuted_qk=False, post_norms=True, act="gelu_tanh",
+                   hf_norm_offset=1.0, embed_scale=True, hf_names=_GEMMA_HF),
 }
+ARCHS["gemma3_text"] = ARCHS["gemma3"]
+# Gemma 3: every 6th layer attends globally, the others over a sliding window with their own
+# RoPE base (llama.cpp's set_swa_pattern(6) and rope_freq_base_train_swa; transformers'
+# layer_types and rope_parameters["sliding_attention"]).
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_THETA = 10000.0
 
 # Our per-layer tensor name -> (HF name after "model.layers.{i}.", GGUF name after "blk.{i}.")
 LAYER_TENSORS = {
@@ -49,6 +71,8 @@ LAYER_TENSORS = {
     "bv": ("self_attn.v_proj.bias", "attn_v.bias"),
     "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
     "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    "post_attn_norm": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    "post_ffn_norm": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
 }
 # Tensors of the layers that change the math, which an architecture without them must not
 # silently drop (a Llama with attention_bias, say): present but unused is a load error.
@@ -69,14 +93,23 @@ def layer_names(arch: Arch) -> list[str]:
         names += ["bq", "bk", "bv"]
     if arch.qk_norm:
         names += ["q_norm", "k_norm"]
+    if arch.post_norms:
+        names += ["post_attn_norm", "post_ffn_norm"]
     return names
+
+
+def tensor_name(arch: Arch, ours: str, fmt: int) -> str:
+    """The per-layer suffix of our tensor `ours` in format fmt (0: HF, 1: GGUF)."""
+    if fmt == 0 and arch.hf_names:
+        return dict(arch.hf_names).get(ours, LAYER_TENSORS[ours][0])
+    return LAYER_TENSORS[ours][fmt]
 
 
 def unused_math(arch: Arch, present: set[str], fmt: int) -> list[str]:
     """Per-layer tensors present (suffixes as in LAYER_TENSORS[..][fmt]) that change the math
     but that this architecture would not read."""
-    used = {LAYER_TENSORS[n][fmt] for n in layer_names(arch)}
-    known = {v[fmt] for v in LAYER_TENSORS.values()} | MATH_EXTRAS
+    used = {tensor_name(arch, n, fmt) for n in layer_names(arch)}
+    known = {v[fmt] for v in LAYER_TENSORS.values()} | MATH_EXTRAS | {v for _, v in arch.hf_names}
     return sorted(s for s in present if s in known and s not in used)
 
 
@@ -125,6 +158,49 @@ def hf_rope(c: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...
                                      float(rp.get("low_freq_factor", 1.0)),
                                      float(rp.get("high_freq_factor", 4.0)), float(orig))
     raise ModelLoadError(f"{where}: unsupported RoPE scaling {kind!r} (default, linear, llama3)")
+
+
+def gemma3_layers(n_layers: int, window: int, pattern: int = GEMMA3_SWA_PATTERN,
+                  layer_types=None) -> tuple[int, ...]:
+    """Per-layer sliding window (0: global attention)."""
+    if layer_types is None:
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                       for i in range(n_layers)]
+    return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+
+
+def hf_gemma3(c: dict, head_dim: int, where: str) -> dict:
+    """Gemma 3's extra ModelConfig fields from a config.json: RoPE per layer type (transformers
+    5's rope_parameters keyed by layer type, or the older rope_theta / rope_local_base_freq /
+    rope_scaling), the sliding windows, the attention scale."""
+    rp = c.get("rope_parameters") or {}
+    if "full_attention" in rp or "sliding_attention" in rp:
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    else:
+        full = {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 1e6)}
+        local = {"rope_theta": c.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)}
+    if (local.get("rope_type") or "default") != "default":
+        raise ModelLoadError(f"{where}: scaled RoPE on sliding-window layers is not supported")
+    theta, factors = hf_rope({**c, "rope_parameters": {"rope_theta": 1e6, **full}}, head_dim, where)
+    n = c["num_hidden_layers"]
+    return dict(rope_theta=theta, rope_factors=factors,
+                rope_theta_local=float(local.get("rope_theta", GEMMA3_LOCAL_THETA)),
+                windows=gemma3_layers(n, int(c.get("sliding_window") or 4096),
+                                      int(c.get("sliding_window_pattern", GEMMA3_SWA_PATTERN)),
+                                      c.get("layer_types")),
+                attn_scale=float(c.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+                embed_scale=float(c["hidden_size"]) ** 0.5)
+
+
+def gguf_gemma3(meta: dict, prefix: str, n_layers: int, dim: int, n_heads: int, head_dim: int) -> dict:
+    """Gemma 3's extra ModelConfig fields as llama.cpp reads them from a GGUF: pattern 6,
+    local base 10000, and its attention scale (1/sqrt(dim/heads) for the 62-layer 27B, whose
+    query_pre_attn_scalar is that, else 1/sqrt(head_dim))."""
+    window = int(meta.get(prefix + "attention.sliding_window", 0))
+    scale_dim = dim / n_heads if n_layers == 62 else head_dim
+    return dict(rope_theta_local=GEMMA3_LOCAL_THETA,
+                windows=gemma3_layers(n_layers, window) if window else (0,) * n_layers,
+                attn_scale=float(scale_dim) ** -0.5, embed_scale=float(dim) ** 0.5)
 
 
 def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs, where: str) -> tuple[float, tuple[float, ...]]:

@@ -1,6 +1,6 @@
 """Load a Llama-family checkpoint (GGUF, or a Hugging Face safetensors dir) into torch.
 
-The architectures (Llama, Mistral, Qwen2, Qwen3) are described in procs/inference/archs.py.
+The architectures (Llama, Mistral, Qwen2, Qwen3, Gemma 3) are described in procs/inference/archs.py.
 Format quirks live here, never in forward(): Llama-family GGUFs store Q/K rows permuted for
 llama.cpp's adjacent-pair RoPE, and we un-permute them to the Hugging Face half-split layout
 the model uses; quantized tensors are dequantized once, into the compute dtype.
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from common.gguf_file import GGUFError, GGUFFile
-from procs.inference.archs import (LAYER_TENSORS, ModelLoadError, arch_of, gguf_rope, hf_rope,
-                                   layer_names, unused_math)
+from procs.inference.archs import (ModelLoadError, arch_of, gguf_gemma3, gguf_rope, hf_gemma3,
+                                   hf_rope, layer_names, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
@@ -44,6 +44,12 @@ class ModelConfig:
     # RoPE scaling as per-frequency divisors, inv_freq[i] = theta^(-2i/D) / rope_factors[i]
     # (llama.cpp's rope_freqs convention); () when unscaled
     rope_factors: tuple[float, ...] = ()
+    # Fields below keep their defaults for the Llama family (the fingerprint leaves defaults out)
+    act: str = "silu"                      # archs.Arch.act
+    embed_scale: float = 0.0               # embeddings times this (0: not scaled)
+    attn_scale: float = 0.0                # attention logits times this (0: 1/sqrt(head_dim))
+    windows: tuple[int, ...] = ()          # per layer: sliding window in tokens, 0 global; () all global
+    rope_theta_local: float = 0.0          # RoPE base of the windowed layers (0: rope_theta)
 
 
 @dataclass
@@ -121,7 +127,9 @@ def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     fingerprint never equalled its GGUF's); rope factors to 6 significant digits, as a GGUF's f32
     rope_freqs and a config's f64 computation of the same scaling agree to that."""
     skip = ("quant_bits", "max_context", "arch", "rope_factors")
-    dims = {k: v for k, v in asdict(cfg).items() if k not in skip}
+    dflt = ModelConfig(**{f: getattr(cfg, f) for f in _REQUIRED})
+    dims = {k: v for k, v in asdict(cfg).items()
+            if k not in skip and (k in _REQUIRED or v != getattr(dflt, k))}
     dims["norm_eps"] = float(np.float32(cfg.norm_eps))
     h = hashlib.blake2b(digest_size=16)
     h.update(cfg.arch.encode() + b"\0" + json.dumps(dims, sort_keys=True).encode())
@@ -130,6 +138,10 @@ def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     for name in sorted(norms):   # as stored (f32), before any cast to the compute dtype
         h.update(name.encode() + norms[name].cpu().numpy().tobytes())
     return h.digest()
+
+
+_REQUIRED = ("n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
+             "rope_theta", "norm_eps", "max_context", "tied_embeddings", "quant_bits")
 
 
 def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
@@ -158,12 +170,13 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         norm_eps=float(m[p + "attention.layer_norm_rms_epsilon"]),
         max_context=int(m.get(p + "context_length", 4096)),
         tied_embeddings="output.weight" not in g.tensors, quant_bits=QUANT_BITS.get(main_type, 0),
-        arch=arch.name, rope_factors=factors)
+        arch=arch.name, rope_factors=factors, act=arch.act,
+        **(gguf_gemma3(m, p, int(m[p + "block_count"]), dim, n_heads, head_dim) if arch.name == "gemma3" else {}))
     _check_unused(arch, g.tensors, r"blk\.\d+\.", 1, path)
     names = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
     for i in range(cfg.n_layers):
         for ours in layer_names(arch):
-            names[f"blk.{i}.{LAYER_TENSORS[ours][1]}"] = f"layers.{i}.{ours}"
+            names[f"blk.{i}.{tensor_name(arch, ours, 1)}"] = f"layers.{i}.{ours}"
     # rows of Q per query head, of K per key/value head, when permuted (no permuted
     # architecture has q/k biases: archs.layer_names)
     permuted = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if arch.gguf_permuted_qk else {}
@@ -220,19 +233,27 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         st.update(_read_safetensors(fp))
     n_heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
-    theta, factors = hf_rope(c, head_dim, path)
+    if arch.name == "gemma3":
+        extra = hf_gemma3(c, head_dim, path)
+        theta, factors = extra.pop("rope_theta"), extra.pop("rope_factors")
+        if c.get("final_logit_softcapping") or c.get("attn_logit_softcapping"):
+            raise ModelLoadError(f"{path}: logit soft-capping is not supported")
+    else:
+        extra = {}
+        theta, factors = hf_rope(c, head_dim, path)
     cfg = ModelConfig(
         n_layers=c["num_hidden_layers"], dim=c["hidden_size"], ffn_dim=c["intermediate_size"],
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
         head_dim=head_dim, vocab_size=c["vocab_size"], rope_theta=theta,
         norm_eps=float(c["rms_norm_eps"]), max_context=int(c.get("max_position_embeddings", 4096)),
-        tied_embeddings="lm_head.weight" not in st, quant_bits=16, arch=arch.name, rope_factors=factors)
+        tied_embeddings="lm_head.weight" not in st, quant_bits=16, arch=arch.name, rope_factors=factors,
+        act=arch.act, **extra)
     _check_unused(arch, st, r"model\.layers\.\d+\.", 0, path)
     names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
              "lm_head.weight": "lm_head"}
     for i in range(cfg.n_layers):
         for ours in layer_names(arch):
-            names[f"model.layers.{i}.{LAYER_TENSORS[ours][0]}"] = f"layers.{i}.{ours}"
+            names[f"model.layers.{i}.{tensor_name(arch, ours, 0)}"] = f"layers.{i}.{ours}"
     tensors, norms = {}, {}
     for hf, ours in names.items():
         if hf not in st:
@@ -240,8 +261,9 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
                 continue
             raise ModelLoadError(f"{path}: missing tensor {hf}")
         w = st[hf]
-        if ours.endswith("norm"):
-            norms[ours] = w.float()
+        if ours.endswith("norm"):   # as a GGUF stores it: Gemma's (1 + w) folded in
+            w = w.float() + arch.hf_norm_offset
+            norms[ours] = w
         tensors[ours] = w.to(device=device, dtype=dtype)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})
 

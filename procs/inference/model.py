@@ -13,6 +13,8 @@ its logits are bit-identical.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -54,6 +56,21 @@ def _fuse(parts_list, tensors):
     return Q4Linear(w)
 
 
+class Layer(NamedTuple):
+    attn_norm: torch.Tensor
+    wqkv: Q4Linear
+    bqkv: torch.Tensor | None
+    qk_norm: torch.Tensor | None
+    wo: Q4Linear
+    post_attn_norm: torch.Tensor | None    # Gemma 3: RMSNorm on the attention output
+    ffn_norm: torch.Tensor
+    wgu: Q4Linear
+    wd: Q4Linear
+    post_ffn_norm: torch.Tensor | None     # Gemma 3: RMSNorm on the MLP output
+    window: int                            # sliding window (0: attends to every earlier key)
+    rope: int                              # index into Llama.rope
+
+
 class Llama:
     def __init__(self, w: LoadedWeights, max_context: int):
         c = self.cfg = w.config
@@ -75,29 +92,42 @@ class Llama:
             if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
                 qkn = torch.cat([t[p + "q_norm"].expand(c.n_heads, -1),
                                  t[p + "k_norm"].expand(c.n_kv_heads, -1)]).contiguous()
-            self.layers.append((
+            window = c.windows[i] if c.windows else 0
+            self.layers.append(Layer(
                 t[p + "attn_norm"],
                 fused("wq", "wk", "wv"),                       # [(H+2KV)*D, dim]
                 bias,                                          # [(H+2KV)*D] or None
                 qkn,                                           # [H+KV, D] or None
                 fused("wo"),
+                t.get(p + "post_attn_norm"),
                 t[p + "ffn_norm"],
                 fused("w_gate", "w_up"),                       # [2*ffn, dim]
                 fused("w_down"),
+                t.get(p + "post_ffn_norm"),
+                window,
+                1 if window and c.rope_theta_local else 0,     # which rotary table
             ))
         del w.tensors, w.q4
-        # rotary tables in float32, cast once: [ctx, D] (HF half-split layout)
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-        if c.rope_factors:   # RoPE scaling: per-frequency divisors (loader.ModelConfig)
-            inv = inv / torch.tensor(c.rope_factors, dtype=torch.float64)
+        self.act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[c.act]
+        self.scale = c.attn_scale or c.head_dim ** -0.5
+        # rotary tables in float32, cast once: [ctx, D] (HF half-split layout); a second
+        # table for windowed layers with their own base (Gemma 3), unscaled
+        self.rope = [self._rotary(c.rope_theta, c.rope_factors, max_context)]
+        if c.rope_theta_local:
+            self.rope.append(self._rotary(c.rope_theta_local, (), max_context))
+        self.max_context = max_context
+
+    def _rotary(self, theta: float, factors, max_context: int):
+        c = self.cfg
+        inv = 1.0 / (theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        if factors:   # RoPE scaling: per-frequency divisors (loader.ModelConfig)
+            inv = inv / torch.tensor(factors, dtype=torch.float64)
         ang = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)
         ang = torch.cat([ang, ang], dim=-1)
-        self.cos = ang.cos().to(self.device, self.dtype)
         # sin with rotate-half's sign folded in: x*cos + roll(x, D/2)*sin equals
         # x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in fewer ops
         sign = torch.cat([-torch.ones(c.head_dim // 2), torch.ones(c.head_dim // 2)]).double()
-        self.sin = (ang.sin() * sign).to(self.device, self.dtype)
-        self.max_context = max_context
+        return ang.cos().to(self.device, self.dtype), (ang.sin() * sign).to(self.device, self.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; cos/sin: [T, 1, D] (sin signed, see __init__)
@@ -126,50 +156,64 @@ class Llama:
                 return F.linear(F.pad(h, (0, 0, 0, pad_to - T)), f.w)[:T]
             return f(h)
         x = F.embedding(ids, self.embed)                                       # [T, dim]
-        cos = self.cos[pos:S].unsqueeze(1)                                     # [T, 1, D]
-        sin = self.sin[pos:S].unsqueeze(1)
-        mask, K = None, S                # the keys attention runs on
+        if c.embed_scale:
+            x = x * c.embed_scale
+        ropes = [(cos[pos:S].unsqueeze(1), sin[pos:S].unsqueeze(1)) for cos, sin in self.rope]  # [T, 1, D]
         if pad_to:  # blocks of EXACT_Q query rows x keys to a multiple of pad_to: one blocking
             nq = -(-T // EXACT_Q) * EXACT_Q
             K = -(-S // pad_to) * pad_to
             if K > kc.shape[2]:
                 raise ValueError(f"exact mode needs a K/V capacity of {K} (a multiple of {pad_to})")
-            lim = torch.arange(pos, pos + nq, device=self.device).clamp_(max=S - 1).unsqueeze(1)
-            mask = torch.zeros((nq, K), dtype=self.dtype, device=self.device)
-            mask.masked_fill_(torch.arange(K, device=self.device).unsqueeze(0) > lim, float("-inf"))
-        elif T > 1:  # causal, bottom-right aligned: query i sees keys 0..pos+i
-            mask = torch.full((T, S), float("-inf"), dtype=self.dtype, device=self.device)
-            mask = mask.triu_(pos + 1)
-        for li, (an, wqkv, bqkv, qkn, wo, fn, wgu, wd) in enumerate(self.layers):
-            h = F.rms_norm(x, (c.dim,), an, c.norm_eps)
-            qkv = lin(wqkv, h)                                       # [T, (H+2KV)*D]
-            if bqkv is not None:
-                qkv = qkv + bqkv
+            qpos = torch.arange(pos, pos + nq, device=self.device).clamp_(max=S - 1).unsqueeze(1)
+        masks = {}   # window -> (first key, mask or None)
+
+        def keys(window: int):
+            if window not in masks:
+                if pad_to:   # every key of the padded block, masked: one kernel shape per split
+                    masks[window] = 0, _mask(qpos, torch.arange(K, device=self.device), window, self.dtype)
+                else:        # only the keys some query of this call can see
+                    ks = max(0, pos - window + 1) if window else 0
+                    masks[window] = ks, (None if T == 1 else _mask(
+                        torch.arange(pos, S, device=self.device).unsqueeze(1),
+                        torch.arange(ks, S, device=self.device), window, self.dtype))
+            return masks[window]
+        for li, ly in enumerate(self.layers):
+            h = F.rms_norm(x, (c.dim,), ly.attn_norm, c.norm_eps)
+            qkv = lin(ly.wqkv, h)                                    # [T, (H+2KV)*D]
+            if ly.bqkv is not None:
+                qkv = qkv + ly.bqkv
             qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)
-            if qkn is not None:   # RMSNorm over each head of q and k (row-wise: exact mode holds)
-                qk = F.rms_norm(qk, (D,), None, c.norm_eps) * qkn
-            qk = self._rope(qk, cos, sin)                            # q and k at once
+            if ly.qk_norm is not None:   # RMSNorm over each head of q and k (row-wise: exact mode holds)
+                qk = F.rms_norm(qk, (D,), None, c.norm_eps) * ly.qk_norm
+            qk = self._rope(qk, *ropes[ly.rope])                     # q and k at once
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:]
             kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
             vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
+            ks, mask = keys(ly.window)
             if T == 1 and not pad_to and self.device.type == "cpu":
-                att = _decode_attention(q[0], kc[li, :, :S], vc[li, :, :S])    # [1, H*D]
+                att = _decode_attention(q[0], kc[li, :, ks:S], vc[li, :, ks:S], self.scale)  # [1, H*D]
             else:
                 qh = q.transpose(0, 1).unsqueeze(0)                            # [1, H, T, D]
                 if pad_to:
                     qh = F.pad(qh, (0, 0, 0, nq - T))
                     o = torch.cat([F.scaled_dot_product_attention(
                         qh[:, :, a:a + EXACT_Q], kc[li:li + 1, :, :K], vc[li:li + 1, :, :K],
-                        attn_mask=mask[a:a + EXACT_Q], enable_gqa=True) for a in range(0, nq, EXACT_Q)],
-                        dim=2)[:, :, :T]
+                        attn_mask=mask[a:a + EXACT_Q], enable_gqa=True, scale=self.scale)
+                        for a in range(0, nq, EXACT_Q)], dim=2)[:, :, :T]
                 else:
-                    o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, :S], vc[li:li + 1, :, :S],
-                                                       attn_mask=mask, enable_gqa=True)
+                    o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, ks:S], vc[li:li + 1, :, ks:S],
+                                                       attn_mask=mask, enable_gqa=True, scale=self.scale)
                 att = o[0].transpose(0, 1).reshape(T, H * D)
-            x = x + lin(wo, att)                                     # [T, dim]
-            h = F.rms_norm(x, (c.dim,), fn, c.norm_eps)
-            g, u = lin(wgu, h).chunk(2, dim=-1)                      # [T, ffn] each
-            x = x + lin(wd, F.silu(g) * u)
+            o = lin(ly.wo, att)                                      # [T, dim]
+            if ly.post_attn_norm is not None:
+                o = F.rms_norm(o, (c.dim,), ly.post_attn_norm, c.norm_eps)
+            x = x + o
+            h = F.rms_norm(x, (c.dim,), ly.ffn_norm, c.norm_eps)
+            g, u = lin(ly.wgu, h).chunk(2, dim=-1)                   # [T, ffn] each
+            o = lin(ly.wd, self.act(g) * u)
+            if ly.post_ffn_norm is not None:
+                o = F.rms_norm(o, (c.dim,), ly.post_ffn_norm, c.norm_eps)
+            x = x + o
         if pad_to:
             if not rows:
                 return x.new_zeros((0, self.lm_head.shape[0]), dtype=torch.float32)
@@ -182,7 +226,17 @@ class Llama:
         return F.linear(x, self.lm_head).float()                              # [len(rows), V]
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int, dtype) -> torch.Tensor:
+    """Additive mask [queries, keys]: query at absolute position p sees key j iff j <= p and,
+    in a windowed layer, p - j < window (transformers' and llama.cpp's sliding window)."""
+    kpos = kpos.unsqueeze(0)
+    hidden = kpos > qpos
+    if window:
+        hidden |= kpos <= qpos - window
+    return torch.zeros(hidden.shape, dtype=dtype, device=qpos.device).masked_fill_(hidden, float("-inf"))
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One query row against S keys on the CPU: q [H, D], k and v [KV, S, D] -> [1, H*D].
     The H/KV query heads that share a K/V head go as one small GEMM per K/V head. SDPA's CPU
     path for a single bf16 row is 4-15x slower (2 threads, avx512_bf16: 14.9 against 1.0 ms
@@ -191,7 +245,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     H, D = q.shape
     KV = k.shape[0]
     s = torch.bmm(q.view(KV, H // KV, D), k.transpose(1, 2))                  # [KV, G, S]
-    p = torch.softmax(s.float() * D ** -0.5, dim=-1).to(v.dtype)
+    p = torch.softmax(s.float() * scale, dim=-1).to(v.dtype)
     return torch.bmm(p, v).view(1, H * D)
 
 

@@ -127,8 +127,12 @@ def test_resolve(tmp_path, model_path):
     assert resolve(model_path, str(tmp_path)) == model_path
     with pytest.raises(ModelError, match="not found"):
         resolve(str(tmp_path / "nope.gguf"), str(tmp_path))
-    with pytest.raises(ModelError, match="fetch-model"):      # default model missing: a hint
+    with pytest.raises(ModelError, match="fetch-model smollm2-135m"):   # default model missing: a hint
         resolve("", str(tmp_path))
+    with pytest.raises(ModelError, match="fetch-model gemma3-270m"):    # a catalogue name, not fetched
+        resolve("gemma3-270m", str(tmp_path))
+    (tmp_path / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"")
+    assert resolve("gemma3-270m", str(tmp_path)) == str(tmp_path / "gemma-3-270m-q4_k_m.gguf")
     os.mkdir(tmp_path / "dir")
     with pytest.raises(ModelError, match="tokenizer.json"):
         load_text(str(tmp_path / "dir"))

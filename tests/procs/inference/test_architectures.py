@@ -48,6 +48,14 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
     "qwen2": ("Qwen2Config", dict(rope_theta=1e6, tie_word_embeddings=True), "qwen2"),
     # head_dim 32 != hidden/heads: q/k/v/o shapes must come from head_dim
     "qwen3": ("Qwen3Config", dict(rope_theta=1e6, tie_word_embeddings=False, head_dim=32), "qwen3"),
+    # a window of 8 over a 40-token prompt, five sliding layers and a global one (pattern 6), two RoPE
+    # bases, (1 + w) norms, GeGLU, scaled embeddings; query_pre_attn_scalar as llama.cpp assumes it
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
+                                        query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
+                                        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}}),
+               "gemma3"),
 }
 
 
@@ -59,8 +67,8 @@ def _hf_model(name: str):
     m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():   # transformers zeroes biases and sets norms to 1: randomize all
         for pname, p in m.named_parameters():
-            if "norm" in pname:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
+            if "norm" in pname:   # Gemma scales by (1 + w): 0.3 * randn keeps it near 1 too
+                p.copy_((0 if name == "gemma3" else 1) + 0.3 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
     return m
@@ -104,8 +112,12 @@ def _write_gguf(m, path: str, arch: str) -> None:
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     rp = c.rope_parameters
+    rp = rp.get("full_attention", rp)
     w.add_rope_freq_base(float(rp["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    gemma = arch == "gemma3"
+    if gemma:   # what llama.cpp's converter writes; it reads the pattern (6) and local base itself
+        w.add_sliding_window(c.sliding_window)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     if rp.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llamacpp_rope_freqs(rp, head_dim))
@@ -113,6 +125,8 @@ def _write_gguf(m, path: str, arch: str) -> None:
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         a = t.numpy().astype(np.float32)
+        if gemma and hf_name.endswith("norm.weight"):   # the converter folds Gemma's (1 + w)
+            a = a + 1
         if arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name):
             a = _permute(a, c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads)
         w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(a))
@@ -195,7 +209,7 @@ def test_parity_with_transformers(case):
     assert model.fingerprint == gmodel.fingerprint   # one model, whichever file it came from
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
 def test_exact_mode_holds_with_biases_and_qk_norms(build, name):
     """Exact mode's promise (bit-identical prefill rows however a prompt is split between a
     restored prefix and the prefill) holds with the row-wise ops these architectures add."""
@@ -223,6 +237,38 @@ def test_llama3_scaling_matters(build):
     a, b = (KVSession(x, MAX_POS, 64).prefill(ids.tolist(), logits_at=[PROMPT])[PROMPT]
             for x in (plain, scaled))
     assert (a - b).abs().max().item() > 0.05
+
+
+@pytest.mark.parametrize("change", [dict(windows=()), dict(rope_theta_local=0.0), dict(attn_scale=0.1),
+                                    dict(embed_scale=0.0), dict(act="silu")])
+def test_gemma3_parts_matter(build, change):
+    """Each Gemma 3 setting changes the logits (the parity test would catch it missing); the
+    window matters because the 40-token prompt is 5 windows long."""
+    name, m, hf_dir, _ = build("gemma3")
+    w = load(hf_dir, torch.float32, "cpu")
+    assert w.config.windows == (8, 8, 8, 8, 8, 0) and w.config.rope_theta_local == 10000.0
+    ids = _prompt(name)
+    a, b = (KVSession(Llama(x, MAX_POS), MAX_POS, 64).prefill(ids, logits_at=[PROMPT])[PROMPT]
+            for x in (load(hf_dir, torch.float32, "cpu"),
+                      dataclasses.replace(w, config=dataclasses.replace(w.config, **change))))
+    assert (a - b).abs().max().item() > 0.05
+
+
+def test_gemma3_config_layouts():
+    """transformers 5's per-layer-type rope_parameters and the older flat config read alike;
+    query_pre_attn_scalar sets the attention scale (the 27B's is not head_dim)."""
+    from procs.inference.archs import hf_gemma3
+    base = dict(num_hidden_layers=12, hidden_size=5376, sliding_window=1024, query_pre_attn_scalar=168)
+    new = {**base, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    old = {**base, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    a, b = hf_gemma3(new, 128, "x"), hf_gemma3(old, 128, "x")
+    assert a == b
+    assert a["rope_factors"] == (8.0,) * 64 and a["rope_theta"] == 1e6 and a["rope_theta_local"] == 1e4
+    assert a["windows"] == (1024,) * 5 + (0,) + (1024,) * 5 + (0,)
+    assert a["attn_scale"] == 168 ** -0.5 and a["embed_scale"] == 5376 ** 0.5
+    with pytest.raises(ModelLoadError, match="sliding-window layers"):
+        hf_gemma3({**new, "rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}}, 128, "x")
 
 
 # ------------------------------------------------------------------ config reading and fingerprint

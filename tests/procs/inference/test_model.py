@@ -378,7 +378,7 @@ def test_decode_attention_is_sdpa_with_grouped_heads(dtype, tol):
     q, k, v = torch.randn(H, D).to(dtype), torch.randn(KV, S, D).to(dtype), torch.randn(KV, S, D).to(dtype)
     want = torch.nn.functional.scaled_dot_product_attention(q.view(1, H, 1, D), k.unsqueeze(0), v.unsqueeze(0),
                                                             enable_gqa=True).view(1, H * D)
-    got = _decode_attention(q, k, v)
+    got = _decode_attention(q, k, v, q.shape[-1] ** -0.5)
     assert got.shape == want.shape and got.dtype == dtype
     assert (got.float() - want.float()).abs().max().item() <= tol
     wrong = torch.nn.functional.scaled_dot_product_attention(      # heads paired the other way: far off
