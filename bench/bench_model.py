@@ -4,7 +4,7 @@ side by side with llama.cpp measured in the same run on the same GGUF and thread
 llama-cpp-python when it is installed: `pip install llama-cpp-python` builds it for this CPU;
 without it the llama.cpp column stays empty, never filled from elsewhere).
 
-    .venv/bin/python bench/bench_model.py [--dtype auto] [--chunk-size 512] [--repeats 3] [--quick] [--json]
+    .venv/bin/python bench/bench_model.py [--model gemma3-270m] [--dtype auto] [--chunk-size 512] [--repeats 3] [--quick] [--json]
 
 All figures are medians (the target machine is shared and noisy). With --json the table goes
 to stderr and a JSON object to stdout. --chunk-sweep 256 512 1024 adds prefill at those chunk
@@ -252,6 +252,18 @@ def cpu_name() -> str:
     return f"{name} ({' '.join(flags) or 'no avx2'})"
 
 
+def extra_bufts_work(path: str, threads: int) -> bool:
+    """Whether llama.cpp with its default CPU buffer types survives a short eval of this file
+    (checked in a child process: a crash there is a segfault)."""
+    code = ("import sys; from llama_cpp import Llama; "
+            "m = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), verbose=False); "
+            "m.eval([1, 2, 3, 4])")
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", code, path, str(threads or os.cpu_count())],
+                       capture_output=True, timeout=300)
+    return r.returncode == 0
+
+
 def measure_llama_cpp(path: str, sizes, dctx, steps: int, threads: int, reps: int, rng) -> dict | None:
     """llama.cpp on the same GGUF, same threads, same prompt lengths, in this run (through
     llama-cpp-python, built for this CPU by pip); None when it is not installed."""
@@ -261,10 +273,22 @@ def measure_llama_cpp(path: str, sizes, dctx, steps: int, threads: int, reps: in
         log("llama.cpp: not measured (pip install llama-cpp-python builds it for this CPU)")
         return None
     need = max(list(sizes) + [n + steps + 1 for n in dctx] + [512])
+    plain = not extra_bufts_work(path, threads)
+    if plain:   # ggml's repacked CPU buffers (AMX / AVX-512 repack) crash on this file here
+        log("  llama.cpp: its extra CPU buffer types (weight repacking) crash on this model and CPU; "
+            "measured without them (use_extra_bufts=False)")
+        import llama_cpp.llama_cpp as lcc
+        default_params = lcc.llama_model_default_params
+
+        def plain_params():
+            p = default_params()
+            p.use_extra_bufts = False
+            return p
+        lcc.llama_model_default_params = plain_params
     with Timer() as t:
         lc = LlamaCpp(model_path=path, n_ctx=need, n_threads=threads, n_threads_batch=threads,
                       n_batch=512, verbose=False)
-    out = {"load_s": t.s, "prefill": {}, "decode": {}}
+    out = {"load_s": t.s, "prefill": {}, "decode": {}, "extra_bufts": not plain}
     for n in sorted(set(sizes) | set(dctx)):
         if n + (steps + 1 if n in dctx else 0) > need:
             continue
@@ -290,7 +314,7 @@ def measure_llama_cpp(path: str, sizes, dctx, steps: int, threads: int, reps: in
 
 
 def run(args) -> dict:
-    s = Settings(dtype=args.dtype, chunk_size=args.chunk_size, threads=args.threads)
+    s = Settings(model=args.model, dtype=args.dtype, chunk_size=args.chunk_size, threads=args.threads)
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     res: dict = {
@@ -307,7 +331,7 @@ def run(args) -> dict:
     lin, head = linear_params(model)
     res["settings"]["threads"] = torch.get_num_threads()
     res["settings"]["compute_dtype"] = str(model.dtype).replace("torch.", "")
-    res["model"] = {"n_layers": model.cfg.n_layers, "dim": model.cfg.dim, "ctx": ctx,
+    res["model"] = {"file": os.path.basename(resolve(s.model, s.models_path())), "arch": model.cfg.arch, "n_layers": model.cfg.n_layers, "dim": model.cfg.dim, "ctx": ctx,
                     "linear_params": lin, "lm_head_params": head,
                     "int4_decode": any(x.packed is not None for x in (model.layers[0].wqkv, model.layers[0].wo))}
     if loads:
@@ -474,6 +498,8 @@ def table(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="", help="GGUF path or catalogue name (ricordo fetch-model --list); "
+                    "empty = the default model")
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "f32", "f16"))
     ap.add_argument("--chunk-size", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
