@@ -291,3 +291,19 @@ def test_equal_scores_of_different_tokens_are_the_known_difference(tmp_path):
     ix = {t: i for i, t in enumerate(tokens)}
     assert reference_spm("aba", tokens, scores, types, False) == [ix["ab"], ix["a"]]
     assert tm.encode("aba") == [ix["a"], ix["ba"]]
+
+
+def test_gemma_grammar_allows_user_defined_text_tokens(gemma):
+    """Under a grammar, Gemma's USER_DEFINED tokens ("\n", runs of spaces) stay text tokens:
+    llguidance must not treat them as special, or the model could write no newline but <0x0A>."""
+    import numpy as np
+    import llguidance
+    from common import guidance
+    m = llguidance.LLMatcher(guidance.tokenizer(gemma),
+                             llguidance.LLMatcher.grammar_from_lark('start: "a" /[ \\n]+/ "b"'),
+                             log_level=0)
+    assert m.consume_token(gemma.encode("a")[0])
+    bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    for text in ["\n", "\n\n", "  ", " "]:
+        assert bits[gemma.encode(text)[0]], repr(text)
+    assert not bits[gemma.encode("<end_of_turn>")[0]]
