@@ -20,7 +20,11 @@ class _Vocab:
         self.tokens = text.pieces
         self.eos_token_id = text.eos_id if text.eos_id is not None else min(text.stop_ids, default=0)
         self.bos_token_id = text.bos_id
-        self.special_token_ids = sorted(text.tokenizer.get_added_tokens_decoder())
+        # control tokens only: llguidance keeps special tokens out of text matching, and a
+        # SentencePiece USER_DEFINED token (Gemma's "\n", whitespace runs) is how the model
+        # writes that text (tokenizer_spm adds those as added tokens not flagged special)
+        added = text.tokenizer.get_added_tokens_decoder()
+        self.special_token_ids = sorted(i for i, a in added.items() if a.special)
 
     def __call__(self, data: bytes) -> list[int]:
         return self.text.encode(data)

@@ -1,8 +1,9 @@
 """Tokenizer, token pieces and chat template, built from a GGUF file or a Hugging Face dir.
 
 Invariant: for every token id, `pieces[id]` is the exact byte string that id stands for
-(special tokens as their literal text), so the concatenation of a prompt's pieces is the
-prompt's bytes. The cache text of a checkpoint is built from these pieces.
+(special tokens as their literal text; SentencePiece vocabularies: see tokenizer_spm), so
+the concatenation of a prompt's pieces is the prompt's bytes. The cache text of a checkpoint
+is built from these pieces.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from common import templates
+from common import templates, tokenizer_spm
 from common.gguf_file import GGUFFile
 
 # llama.cpp's pre-tokenizer regexes by tokenizer.ggml.pre (the ones we support)
@@ -72,7 +73,8 @@ class TextModel:
     def encode(self, text: str | bytes) -> list[int]:
         """Token ids of text, special tokens parsed, never a BOS added. Bytes that are not
         UTF-8 (a suffix that starts or ends inside a character) become single-byte tokens,
-        so the pieces of the ids are always exactly the bytes given."""
+        so the pieces of the ids are always exactly the bytes given (SentencePiece: but for
+        a U+2581 in the text, which llama.cpp's ids make a space; see tokenizer_spm)."""
         if isinstance(text, str):
             return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
         ids, rest = [], text
@@ -131,8 +133,14 @@ def _finish(tok: Tokenizer, pieces, template, bos, eos, add_bos) -> TextModel:
 def from_gguf(g: GGUFFile) -> TextModel:
     m = g.meta
     kind = m.get("tokenizer.ggml.model")
+    template = m.get("tokenizer.chat_template") or templates.fallback(g.arch())
+    if kind == "llama":
+        tok, pieces = tokenizer_spm.build(m)
+        return _finish(tok, pieces, template, _opt_id(m, "bos"),
+                       _opt_id(m, "eos"), bool(m.get("tokenizer.ggml.add_bos_token", True)))
     if kind != "gpt2":
-        raise TokenizerError(f"unsupported tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+        raise TokenizerError(f"unsupported tokenizer model {kind!r} "
+                             "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
     tokens = list(m["tokenizer.ggml.tokens"])
     types = m.get("tokenizer.ggml.token_type")
     merges = [tuple(x.split(" ", 1)) for x in m.get("tokenizer.ggml.merges", [])]
@@ -167,11 +175,13 @@ def from_gguf(g: GGUFFile) -> TextModel:
             pieces.append(t.encode("utf-8"))
         else:
             pieces.append(bytes(bd[c] for c in t))
-    bos = m.get("tokenizer.ggml.bos_token_id")
-    eos = m.get("tokenizer.ggml.eos_token_id")
     add_bos = bool(m.get("tokenizer.ggml.add_bos_token", False))
-    return _finish(tok, pieces, m.get("tokenizer.chat_template") or templates.fallback(g.arch()),
-                   None if bos is None else int(bos), None if eos is None else int(eos), add_bos)
+    return _finish(tok, pieces, template, _opt_id(m, "bos"), _opt_id(m, "eos"), add_bos)
+
+
+def _opt_id(m: dict, name: str) -> int | None:
+    v = m.get(f"tokenizer.ggml.{name}_token_id")
+    return None if v is None else int(v)
 
 
 def from_hf_dir(path: str) -> TextModel:
