@@ -66,6 +66,12 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv))
 '''
 
+# ~1,100 tokens: twice the 512-token sliding window, so the windowed layers' mask and the
+# global layers' full attention both matter
+LONG_LOG = "".join(
+    f"{i:03d} INFO worker-{i % 4} handled POST /v1/chat/completions in {(i * 37) % 97 / 10:.1f} ms "
+    f"(cache {'hit' if i % 3 else 'miss'}, {i * 113 % 4096} tokens)\n" for i in range(31))
+
 GEMMA3_CASES = [
     ("chat_two_turns", gemma_chat(("user", "Ciao"), ("model", "Ciao! How can I help you today?"),
                                   ("user", "Come stai?"))),
@@ -80,6 +86,7 @@ GEMMA3_CASES = [
     ("numbers", "In 2024 the population was 8,118,835,999; by 2050 it may reach 9.7 billion "
                 "(+19.5%), i.e. about 0.0123 per 1e3."),
     ("chat_json", gemma_chat(("user", "Reply with JSON: {\"city\": \"Rome\", \"temp_c\": 21}"))),
+    ("long_log", LONG_LOG),
 ]
 
 GEMMA3_TOKENIZER_CASES = [
@@ -133,7 +140,7 @@ def main() -> None:
         p.use_extra_bufts = False
         return p
     lc.llama_model_default_params = plain_cpu_params   # Llama() takes its defaults from here
-    llm = llama_cpp.Llama(args.model, n_ctx=512, n_batch=512, logits_all=True, verbose=False,
+    llm = llama_cpp.Llama(args.model, n_ctx=2048, n_batch=2048, logits_all=True, verbose=False,
                           seed=0)
 
     def tokenize(text: str) -> list[int]:
@@ -171,7 +178,7 @@ def main() -> None:
     tcases = [{"text": t, "token_ids": tokenize(t)} for t in spec["tokenizer_cases"]]
     sha = sha256_file(args.model)
     doc = {"model": f"{os.path.basename(args.model)} (SHA256 {sha})",
-           "engine": f"llama.cpp via llama-cpp-python {llama_cpp.__version__}, CPU, n_batch 512, "
+           "engine": f"llama.cpp via llama-cpp-python {llama_cpp.__version__}, CPU, n_batch 2048, "
                      "use_extra_bufts false (no AMX, no repacking)",
            "top_k": TOP_K, "cases": cases, "tokenizer_cases": tcases}
     out_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), spec["out"])
