@@ -24,8 +24,9 @@ def _default_cache_root() -> str:
 @dataclass
 class Settings:
     # model
-    model: str = opt("", "GGUF file or Hugging Face dir; empty = the default model in --models-dir")
-    models_dir: str = opt("", "where the default model is fetched (default ~/.cache/ricordo/models)",
+    model: str = opt("", "GGUF file, Hugging Face dir, or a catalogue name (`ricordo fetch-model --list`) "
+                     "fetched into --models-dir; empty = the default model")
+    models_dir: str = opt("", "where catalogue models are fetched (default ~/.cache/ricordo/models)",
                           aliases=("RICORDO_MODELS",))
     dtype: str = opt("auto", "compute dtype", ("generate", "inference"), ("auto", "bf16", "f32", "f16"))
     device: str = opt("auto", "torch device (auto = cuda when present)", ("generate", "inference"))
