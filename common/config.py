@@ -31,7 +31,8 @@ class Settings:
     dtype: str = opt("auto", "compute dtype", ("generate", "inference"), ("auto", "bf16", "f32", "f16"))
     device: str = opt("auto", "torch device (auto = cuda when present)", ("generate", "inference"))
     threads: int = opt(0, "torch CPU threads (0 = torch default)", ("generate", "inference"))
-    ctx_size: int = opt(8192, "context size in tokens (0 = the model's trained context; above it works, with a warning)", ("generate", "renderer", "inference", "web"))
+    ctx_size: int = opt(0, "context size in tokens (0 = the model's trained context, as far as its K/V fits in a "
+                        "quarter of the memory; above the trained context works, with a warning)", ("generate", "renderer", "inference", "web"))
     chunk_size: int = opt(512, "prefill chunk size; chunks end at absolute multiples of it", ("generate", "inference"))
     deterministic: bool = opt(False, "answers independent of what was cached: every prefill runs as whole "
                               "chunks and an answer's rows are prefilled again after it is sent (slower short prefills)",

@@ -130,28 +130,56 @@ def load_text(path: str) -> TextModel:
         raise ModelError(str(e)) from None
 
 
-def context_size(path: str, requested: int) -> int:
-    """The context every process uses: the requested size (0: the model's own)."""
+# Without --ctx-size, the model's trained context, as far as its K/V (counted in f32, what an
+# AVX2-only CPU computes in) fits in this share of the machine's memory.
+KV_MEMORY_SHARE = 0.25
+
+
+def _trained(path: str) -> tuple[int, int]:
+    """(trained context, K/V bytes per token in f32) from a model's config."""
     if os.path.isdir(path):
         import json
         with open(os.path.join(path, "config.json")) as f:
-            limit = int(json.load(f).get("max_position_embeddings", 4096))
-    else:
-        try:
-            g = GGUFFile(path)
-        except GGUFError as e:
-            raise ModelError(str(e)) from None
-        limit = int(g.meta.get(f"{g.arch()}.context_length", 4096))
-    return cap_context(requested, limit)
+            c = json.load(f)
+        c = c.get("text_config", c)
+        heads = int(c.get("num_attention_heads", 1))
+        head_dim = int(c.get("head_dim") or int(c.get("hidden_size", heads)) // heads)
+        return (int(c.get("max_position_embeddings", 4096)),
+                2 * 4 * int(c.get("num_hidden_layers", 1)) * int(c.get("num_key_value_heads", heads)) * head_dim)
+    try:
+        g = GGUFFile(path)
+    except GGUFError as e:
+        raise ModelError(str(e)) from None
+    p = g.arch() + "."
+    heads = int(g.meta.get(p + "attention.head_count", 1))
+    head_dim = int(g.meta.get(p + "attention.key_length", int(g.meta.get(p + "embedding_length", heads)) // heads))
+    return (int(g.meta.get(p + "context_length", 4096)),
+            2 * 4 * int(g.meta.get(p + "block_count", 1)) * int(g.meta.get(p + "attention.head_count_kv", heads)) * head_dim)
 
 
-def cap_context(requested: int, limit: int) -> int:
-    """`requested` (0: the model's trained `limit`). Above the limit is allowed, as llama.cpp
-    allows it: positions past what the model was trained on give worse answers, but the
-    protocol works (an agent's 20k-token prompt on a small model); one warning per process."""
-    if requested <= 0:
-        return limit
-    if requested > limit and limit not in _warned:
+def context_size(path: str, requested: int, warn: bool = True) -> int:
+    """The context every process uses: the requested size, or (0) the model's trained context
+    capped so its K/V takes at most KV_MEMORY_SHARE of the machine's memory (the same figure
+    in every process: total memory, not what is free at the moment). `warn`: say why once
+    (the inference process does; the renderer computes the same number quietly)."""
+    limit, per_token = _trained(path)
+    if requested > 0:
+        return cap_context(requested, limit, warn)
+    import psutil
+    fit = int(psutil.virtual_memory().total * KV_MEMORY_SHARE) // max(per_token, 1) // 256 * 256
+    ctx = max(256, min(limit, fit))
+    if ctx < limit and warn:
+        logging.getLogger("ricordo").info(
+            "context %d: the model's trained %d would take %.1f GiB of K/V (--ctx-size chooses)",
+            ctx, limit, limit * per_token / 2**30)
+    return ctx
+
+
+def cap_context(requested: int, limit: int, warn: bool = True) -> int:
+    """`requested` (> 0). Above the trained `limit` is allowed, as llama.cpp allows it:
+    positions past what the model was trained on give worse answers, but the protocol works
+    (an agent's 20k-token prompt on a small model); one warning per process."""
+    if requested > limit and warn and limit not in _warned:
         _warned.add(limit)
         logging.getLogger("ricordo").warning(
             "context %d is above the model's trained context %d: answers past %d tokens degrade",

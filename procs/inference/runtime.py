@@ -7,7 +7,7 @@ import time
 import torch
 
 from common.config import Settings
-from common.models import cap_context, resolve
+from common.models import context_size, resolve
 from procs.inference.loader import load
 from procs.inference.model import Llama
 
@@ -54,6 +54,6 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     t0 = time.perf_counter()
     path = resolve(s.model, s.models_path())
     w = load(path, dtype, device)
-    ctx = cap_context(s.ctx_size, w.config.max_context)
+    ctx = context_size(path, s.ctx_size)
     model = Llama(w, max(ctx, 1))
     return model, ctx, time.perf_counter() - t0

@@ -52,7 +52,7 @@ class Renderer(Readiness, Answers):
         self.s, self.log = s, log
         path = resolve(s.model, s.models_path())
         self.text = load_text(path)
-        self.n_ctx = context_size(path, s.ctx_size)
+        self.n_ctx = context_size(path, s.ctx_size, warn=False)   # inference says why
         self.model_id = served_model_id(s.model_id, s.model)
         ctx = zmq.Context.instance()
         self.router = ctx.socket(zmq.ROUTER)
