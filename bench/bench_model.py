@@ -333,7 +333,7 @@ def run(args) -> dict:
     res["settings"]["compute_dtype"] = str(model.dtype).replace("torch.", "")
     res["model"] = {"file": os.path.basename(resolve(s.model, s.models_path())), "arch": model.cfg.arch, "n_layers": model.cfg.n_layers, "dim": model.cfg.dim, "ctx": ctx,
                     "linear_params": lin, "lm_head_params": head,
-                    "int4_decode": any(x.packed is not None for x in (model.layers[0].wqkv, model.layers[0].wo))}
+                    "decode_weights": sorted({x.kind or "dense" for ly in model.layers for x in (ly.wqkv, ly.wo, ly.wgu, ly.wd)})}
     if loads:
         res["load_s"] = statistics.median(load_times)
         res["load_samples_s"] = load_times
@@ -488,8 +488,8 @@ def table(res: dict) -> str:
     out.append("")
     out.append(f"CPU: {res['machine']['cpu']}, {res['machine']['cpus']} cores")
     out.append(f"dtype {st['dtype']} -> {st['compute_dtype']}, chunk {st['chunk_size']}, threads {st['threads']}, "
-               f"repeats {st['repeats']}, decode steps {st['decode_steps']}, int4 decode kernels "
-               f"{'on' if res['model']['int4_decode'] else 'off'}, RSS at end {res['rss_mb']:.0f} MiB, "
+               f"repeats {st['repeats']}, decode steps {st['decode_steps']}, decode weights "
+               f"{'+'.join(res['model']['decode_weights'])}, RSS at end {res['rss_mb']:.0f} MiB, "
                f"loadavg {res['machine']['loadavg_start']:.2f} -> {res['machine']['loadavg_end']:.2f}, "
                f"wall {res['wall_s']:.0f} s (of which {res['waited_for_quiet_s']:.0f} s waiting for a quiet machine)")
     return "\n".join(out)

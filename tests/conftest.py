@@ -54,11 +54,20 @@ def text_model(model_path):
 
 
 @functools.lru_cache(maxsize=None)
-def _load_model(path: str, dtype_name: str):
+def _load_model(path: str, dtype_name: str, packed: bool = True):
     from procs.inference.loader import load
     from procs.inference.model import Llama
     from procs.inference.runtime import DTYPES
-    return Llama(load(path, DTYPES[dtype_name], "cpu"), MAX_CONTEXT)
+    return Llama(load(path, DTYPES[dtype_name], "cpu"), MAX_CONTEXT, packed=packed)
+
+
+def dense_twin(model):
+    """The same model and dtype, decode on the dense weights (the prefill's kernels)."""
+    return _load_model(default_model_path(), torch_name(model.dtype), False)
+
+
+def torch_name(dtype) -> str:
+    return str(dtype).replace("torch.", "").replace("float32", "f32").replace("bfloat16", "bf16")
 
 
 @pytest.fixture(scope="session")

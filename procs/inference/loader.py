@@ -58,13 +58,25 @@ class LoadedWeights:
     tensors: dict[str, torch.Tensor]   # HF names, compute dtype
     fingerprint: bytes                 # 16 bytes: architecture + dims + weight identity
     # 4-bit source weights kept as (q uint8 [N, K], scale f32 [N, K/32], min f32 [N, K/32])
-    # with w = q * scale + min, for the decode kernels (see model.Q4Linear)
+    # with w = q * scale + min, for the decode kernels (see model.Linear)
     q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    q8: frozenset = frozenset()        # names whose source is quantized otherwise (INT8_TYPES)
+
+
+# ggml types read by the decode kernels as int4 groups of 32 (their own levels, scales and
+# mins: exact), and the other quantized types, which decode reads as int8 per row (approximate:
+# a requantization of the dequantized weight, as fine as the source's 5-8 bits or finer)
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
 
 
 def _q4_parts(g: GGUFFile, name: str):
+    """(q uint8 [N, K], scale f32 [N, K/32], min f32 [N, K/32]) with w = q * scale + min,
+    exactly the tensor's values, for a type in INT4_TYPES."""
     info = g.tensors[name]
     n, k = info.shape[1], info.shape[0]
+    if info.type_name == "Q4_K":
+        return _q4k_parts(g.raw(name), n, k)
     blocks = torch.from_numpy(g.raw(name).copy()).view(-1, 20 if info.type_name == "Q4_1" else 18)
     d = blocks[:, 0:2].contiguous().view(torch.float16).float().view(n, k // 32)
     off = 4 if info.type_name == "Q4_1" else 2
@@ -75,6 +87,26 @@ def _q4_parts(g: GGUFFile, name: str):
     else:
         mn = -8.0 * d
     return q, d, mn
+
+
+def _q4k_parts(raw: np.ndarray, n: int, k: int):
+    """Q4_K super-blocks (256 values: f16 d and dmin, twelve bytes of 6-bit scales and mins
+    for eight sub-blocks of 32, 128 bytes of nibbles) as groups of 32: value =
+    q * (d * scale_j) - dmin * min_j, ggml's dequantize_row_q4_K."""
+    b = raw.reshape(-1, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, qs = b[:, 4:16], b[:, 16:]
+    s = np.empty((b.shape[0], 8), np.uint8)
+    m = np.empty((b.shape[0], 8), np.uint8)
+    s[:, :4], m[:, :4] = sc[:, :4] & 63, sc[:, 4:8] & 63
+    s[:, 4:] = (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)
+    m[:, 4:] = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
+    q = qs.reshape(-1, 4, 32)      # 64 values per 32 bytes: low nibbles, then high nibbles
+    q = np.stack([q & 0xF, q >> 4], axis=2).reshape(n, k)
+    scale = (d * s).reshape(n, k // 32)
+    mn = -(dmin * m).reshape(n, k // 32)
+    return torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(mn)
 
 
 def _dequant(g: GGUFFile, name: str) -> torch.Tensor:
@@ -180,7 +212,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     # rows of Q per query head, of K per key/value head, when permuted (no permuted
     # architecture has q/k biases: archs.layer_names)
     permuted = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if arch.gguf_permuted_qk else {}
-    tensors, q4, norms = {}, {}, {}
+    tensors, q4, q8, norms = {}, {}, set(), {}
     for gname, ours in names.items():
         if gname not in g.tensors:
             if ours == "lm_head":
@@ -194,10 +226,12 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         if ours.endswith("norm"):
             norms[ours] = w.float()
         tensors[ours] = w.to(device=device, dtype=dtype)
-        if info.type_name in ("Q4_0", "Q4_1") and ours.startswith("layers."):
+        if info.type_name in INT4_TYPES and len(info.shape) == 2:
             parts = _q4_parts(g, gname)
             q4[ours] = tuple(_unpermute(x, heads) for x in parts) if heads else parts
-    return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4)
+        elif info.type_name in INT8_TYPES:
+            q8.add(ours)
+    return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8))
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:

@@ -21,58 +21,77 @@ import torch.nn.functional as F
 from procs.inference.loader import LoadedWeights, ModelConfig
 
 
-# Decode (a few rows) is bound by weight bytes read; 4-bit packed weights read 4x fewer
-# bytes than bf16. Prefill is compute-bound and keeps the bf16 matmul.
-Q4_MAX_ROWS = 4
+# Decode (a few rows) is bound by weight bytes read: it reads weight-only packed copies, 4-bit
+# (int4 groups of 32) or 8-bit (int8 rows), 2-4x fewer bytes than bf16 and up to 8x fewer than
+# f32. Prefill is compute-bound and keeps the dense matmul.
+PACKED_MAX_ROWS = 4
 # Exact mode runs attention on blocks of this many query rows (padded), so that a short
 # suffix does not pay for a whole chunk of queries against a long context.
 EXACT_Q = 64
 
 
-class Q4Linear:
-    """A bf16 weight plus, when the source was 4-bit, torch's packed int4 copy of it."""
+class Linear:
+    """A dense weight in the compute dtype and, on the CPU, a packed copy decode reads: int4
+    for a 4-bit source (its own levels, scales and mins: exact), int8 per row for another
+    quantized source (a requantization no coarser than the source). torch's packed kernels
+    take bf16 activations, whatever the compute dtype: decode rows are bf16-rounded at the
+    linears (prefill rows are not; the server never compares the two)."""
 
-    def __init__(self, w: torch.Tensor, parts=None):
+    def __init__(self, w: torch.Tensor, parts=None, int8: bool = False, packed: bool = True):
         self.w = w
-        self.packed = None
-        if parts is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16 \
-                and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        self.packed, self.kind = None, ""
+        if not packed or w.device.type != "cpu":
+            return
+        if parts is not None and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             q, scale, mn = parts                                # [N, K], [N, K/32] x2
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
             # torch's int4 dequant is (q - 8) * scale + zero, ours q * scale + min
-            self.sz = torch.stack([scale.t(), (mn + 8 * scale).t()], dim=-1).to(w.dtype).contiguous()
+            self.sz = torch.stack([scale.t(), (mn + 8 * scale).t()], dim=-1).to(torch.bfloat16).contiguous()
+            self.kind = "int4"
+        elif int8 and hasattr(torch, "_weight_int8pack_mm"):
+            wf = w.float()
+            scale = (wf.abs().amax(dim=1).clamp_min(1e-30) / 127).to(torch.bfloat16)
+            self.packed = torch.round(wf / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+            self.sz = scale
+            self.kind = "int8"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= Q4_MAX_ROWS:
-            return torch._weight_int4pack_mm_for_cpu(x, self.packed, 32, self.sz)
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            xb = x.to(torch.bfloat16)
+            if self.kind == "int4":
+                return torch._weight_int4pack_mm_for_cpu(xb, self.packed, 32, self.sz).to(x.dtype)
+            return torch._weight_int8pack_mm(xb, self.packed, self.sz).to(x.dtype)
         return F.linear(x, self.w)
 
 
-def _fuse(parts_list, tensors):
-    """Concatenate weights along the output dim; the 4-bit parts too when all have them."""
-    w = torch.cat(tensors).contiguous()
-    if all(p is not None for p in parts_list):
-        return Q4Linear(w, tuple(torch.cat(xs) for xs in zip(*parts_list)))
-    return Q4Linear(w)
+def _fuse(names, t, q4, q8, packed: bool) -> Linear:
+    """Weights concatenated along the output dim: int4 when every part has 4-bit parts, int8
+    when every part is quantized (a 4-bit part requantized with the rest), else dense."""
+    w = torch.cat([t[n] for n in names]).contiguous()
+    if all(n in q4 for n in names):
+        return Linear(w, tuple(torch.cat(xs) for xs in zip(*(q4[n] for n in names))), packed=packed)
+    return Linear(w, int8=all(n in q4 or n in q8 for n in names), packed=packed)
 
 
 class Layer(NamedTuple):
     attn_norm: torch.Tensor
-    wqkv: Q4Linear
+    wqkv: Linear
     bqkv: torch.Tensor | None
     qk_norm: torch.Tensor | None
-    wo: Q4Linear
+    wo: Linear
     post_attn_norm: torch.Tensor | None    # Gemma 3: RMSNorm on the attention output
     ffn_norm: torch.Tensor
-    wgu: Q4Linear
-    wd: Q4Linear
+    wgu: Linear
+    wd: Linear
     post_ffn_norm: torch.Tensor | None     # Gemma 3: RMSNorm on the MLP output
     window: int                            # sliding window (0: attends to every earlier key)
     rope: int                              # index into Llama.rope
 
 
 class Llama:
-    def __init__(self, w: LoadedWeights, max_context: int):
+    def __init__(self, w: LoadedWeights, max_context: int, packed: bool = True):
+        """packed: decode reads the packed weight copies (Linear); False keeps every decode
+        row on the dense weights (the prefill's kernels at one row)."""
         c = self.cfg = w.config
         t = w.tensors
         self.fingerprint = w.fingerprint
@@ -81,12 +100,19 @@ class Llama:
         self.norm = t["norm"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.layers = []
-        q4 = w.q4 or {}
+        q4, q8 = w.q4 or {}, w.q8
+        # the output projection, the largest matrix, reads its int4 copy in decode when the
+        # source is 4-bit; int8 gains over a bf16 torch.mv nothing (13.4 vs 13.5 ms for Gemma's
+        # 262144 x 640, 2 cores) but halves an f32 one (24 ms), so only f32 takes it
+        head = "lm_head" if "lm_head" in t else "embed"
+        int8_head = head in q8 and self.dtype == torch.float32
+        self.head = Linear(self.lm_head, q4.get(head), int8=int8_head, packed=packed) \
+            if head in q4 or int8_head else None
         for i in range(c.n_layers):
             p = f"layers.{i}."
 
             def fused(*names):
-                return _fuse([q4.get(p + n) for n in names], [t[p + n] for n in names])
+                return _fuse([p + n for n in names], t, q4, q8, packed)
             bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
             qkn = None
             if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
@@ -151,7 +177,7 @@ class Llama:
         if pad_to and T > pad_to:
             raise ValueError(f"{T} rows exceed the exact-mode block of {pad_to}")
 
-        def lin(f: Q4Linear, h: torch.Tensor) -> torch.Tensor:
+        def lin(f: Linear, h: torch.Tensor) -> torch.Tensor:
             if pad_to:
                 return F.linear(F.pad(h, (0, 0, 0, pad_to - T)), f.w)[:T]
             return f(h)
@@ -221,6 +247,8 @@ class Llama:
                               for i in rows]).float()
         x = x[rows]                                                            # only rows we need
         x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
+        if self.head is not None and self.head.packed is not None and T <= PACKED_MAX_ROWS:
+            return self.head(x).float()    # a decode-sized call, as the layers' linears decide
         if x.shape[0] == 1 and x.device.type == "cpu":   # matrix-vector is ~1.8x faster here
             return torch.mv(self.lm_head, x[0]).float().unsqueeze(0)
         return F.linear(x, self.lm_head).float()                              # [len(rows), V]

@@ -55,5 +55,5 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     path = resolve(s.model, s.models_path())
     w = load(path, dtype, device)
     ctx = context_size(path, s.ctx_size)
-    model = Llama(w, max(ctx, 1))
+    model = Llama(w, max(ctx, 1), packed=s.decode_weights == "packed")
     return model, ctx, time.perf_counter() - t0

@@ -94,3 +94,44 @@ def test_greedy_prefix(runs, vectors):
     hits = [g == case["greedy_continuation_ids"][:4] for case, (_, g) in zip(vectors["cases"], out)]
     assert sum(hits) >= len(hits) - 2, [(c["name"], g, c["greedy_continuation_ids"][:4])
                                         for c, (_, g) in zip(vectors["cases"], out)]
+
+
+def test_q4_k_unpacks_to_its_exact_values(path):
+    """The int4 copy of a Q4_K tensor holds exactly the values ggml's dequantization gives."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from common.gguf_file import GGUFFile
+    from procs.inference.loader import _q4_parts
+    g = GGUFFile(path)
+    name = "blk.0.attn_output.weight"
+    info = g.tensors[name]
+    assert info.type_name == "Q4_K"
+    q, scale, mn = _q4_parts(g, name)
+    n, k = info.shape[1], info.shape[0]
+    got = (q.float().view(n, k // 32, 32) * scale.unsqueeze(-1) + mn.unsqueeze(-1)).view(n, k)
+    want = torch.from_numpy(dequantize(g.raw(name), GGMLQuantizationType(info.type_id)).reshape(n, k).copy())
+    assert torch.equal(got, want)
+    assert 0 <= int(q.min()) and int(q.max()) == 15
+
+
+def test_packed_decode_kinds_and_agreement(path):
+    """Gemma's Q4_K attention outputs decode as int4, its Q5_0/Q6_K/Q8_0 weights as int8;
+    greedy decode on the packed weights follows the dense one."""
+    dense = Llama(load(path, torch.bfloat16, "cpu"), 512, packed=False)
+    packed = Llama(load(path, torch.bfloat16, "cpu"), 512)
+    ly = packed.layers[0]
+    assert (ly.wo.kind, ly.wqkv.kind, ly.wgu.kind, ly.wd.kind) == ("int4", "int8", "int8", "int8")
+    assert packed.head is None                      # Q8_0 embedding in bf16: torch.mv
+    assert dense.layers[0].wo.packed is None
+    prompt = [2, 818, 5279, 529, 7001, 563]         # <bos>The capital of France is
+    outs = []
+    for m in (dense, packed):
+        s = KVSession(m, 512, 512)
+        s.prefill(prompt)
+        toks = []
+        for _ in range(12):
+            toks.append(int(torch.argmax(s.logits)))
+            s.decode(toks[-1])
+        outs.append(toks)
+    assert outs[0][:6] == outs[1][:6], outs
