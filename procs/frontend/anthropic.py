@@ -15,11 +15,9 @@ answer).
 """
 from __future__ import annotations
 
-import logging
 import secrets
 
 import falcon
-import msgspec
 
 import falcon.asgi
 
@@ -30,7 +28,6 @@ from procs.frontend.fields import json_text
 from procs.frontend.flow import Endpoint, Job, sse
 from procs.frontend.outline import Block, Blocks, Outline, Whole, matched_stop, parse_json_object
 
-log = logging.getLogger("web")
 
 PATH = "/v1/messages"
 
@@ -54,31 +51,16 @@ def _message(ex: falcon.HTTPError, req) -> str:
         return f"prompt is too long: {ex.prompt_tokens} tokens > {ex.limit} maximum"
     if isinstance(ex, errors.ApiError):
         return f"{ex.param}: {ex.message}" if ex.param and not ex.message.startswith(ex.param) else ex.message
-    return errors._falcon_body(req, ex)["error"]["message"]
+    return errors.message(req, ex)
+
+
+def error_shape(ex: falcon.HTTPError, req) -> dict:
+    """What errors.serialize_error writes for our paths."""
+    return error_body(ex.status_code, _message(ex, req))
 
 
 def ours(req) -> bool:
     return req.path == PATH or req.path.startswith(PATH + "/")
-
-
-def install(app) -> None:
-    """Errors on /v1/messages* in Anthropic's shape; every other path keeps errors.py's."""
-    def serialize(req, resp, ex) -> None:
-        if not ours(req):
-            return errors.serialize_error(req, resp, ex)
-        resp.content_type = falcon.MEDIA_JSON
-        resp.data = msgspec.json.encode(error_body(ex.status_code, _message(ex, req)))
-
-    async def unexpected(req, resp, ex, params) -> None:
-        if not ours(req):
-            return await errors.handle_unexpected(req, resp, ex, params)
-        log.exception("unexpected error in %s %s", req.method, req.path, exc_info=ex)
-        resp.status = 500
-        resp.content_type = falcon.MEDIA_JSON
-        resp.data = msgspec.json.encode(error_body(500, "internal server error"))
-
-    app.set_error_serializer(serialize)
-    app.add_error_handler(Exception, unexpected)
 
 
 # -- response ------------------------------------------------------------------------------
@@ -212,6 +194,7 @@ class Messages(Endpoint):
 
 
 def register(app, backend, settings, model_id: str) -> None:
-    install(app)
+    if (ours, error_shape) not in errors.SHAPES:
+        errors.SHAPES.append((ours, error_shape))
     app.add_route(PATH, Messages(backend, settings, model_id))
     app.add_route(PATH + "/count_tokens", CountTokens(backend, settings, model_id))

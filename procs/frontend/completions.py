@@ -17,7 +17,9 @@ from procs.frontend.schema import parse_chat, parse_completion
 DONE = falcon.asgi.SSEvent(data=b"[DONE]")
 
 
-class Whole:
+class Choices:
+    """The collector of a whole (non-streamed) chat or legacy completion: its choices."""
+
     def __init__(self, kind: str, job: Job, model: str):
         self.kind, self.job, self.model = kind, job, model
         self.col = shape.Collected(legacy=kind != "chat")
@@ -77,8 +79,8 @@ class Completions(Endpoint):
     def parse(self, body: dict, rid: str) -> Job:
         return (parse_chat if self.kind == "chat" else parse_completion)(body, rid)
 
-    def collector(self, job: Job) -> Whole:
-        return Whole(self.kind, job, self.model_id)
+    def collector(self, job: Job) -> Choices:
+        return Choices(self.kind, job, self.model_id)
 
     def shaper(self, job: Job, accepted: Accepted | None) -> Stream:
         return Stream(self.kind, job, self.model_id)

@@ -72,16 +72,32 @@ def _falcon_body(req: falcon.Request, ex: falcon.HTTPError) -> dict:
     return error_body(message, error_type(status), None, None)
 
 
+# Paths whose errors take another API's shape, registered by that API (anthropic.register):
+# (the path is ours, body(status, message)); every other path gets OpenAI's shape.
+SHAPES: list[tuple] = []
+
+
+def _shape(req):
+    return next((body for ours, body in SHAPES if ours(req)), None)
+
+
+def message(req: falcon.Request, ex: falcon.HTTPError) -> str:
+    return _falcon_body(req, ex)["error"]["message"]
+
+
 def serialize_error(req: falcon.Request, resp: falcon.Response, ex: falcon.HTTPError) -> None:
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = msgspec.json.encode(_falcon_body(req, ex))
+    shape = _shape(req)
+    resp.data = msgspec.json.encode(shape(ex, req) if shape else _falcon_body(req, ex))
 
 
 async def handle_unexpected(req, resp, ex, params) -> None:
     log.exception("unexpected error in %s %s", req.method, req.path, exc_info=ex)
     resp.status = 500
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = msgspec.json.encode(error_body("internal server error", "server_error"))
+    shape = _shape(req)
+    resp.data = msgspec.json.encode(shape(falcon.HTTPInternalServerError(description="internal server error"), req)
+                                    if shape else error_body("internal server error", "server_error"))
 
 
 def install(app) -> None:
