@@ -273,7 +273,7 @@ class KVSession:
         self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.tokens: list[int] = []
         self.logits: torch.Tensor | None = None   # float32 [V], after the last token
-        self.windows = [ly.window for ly in model.layers]   # 0: a global layer
+        self.windows = list(c.windows) if c.windows else [0] * c.n_layers   # 0: a global layer
         self.floors = [0] * c.n_layers   # per layer: the first position it holds rows for
 
     def __len__(self) -> int:
