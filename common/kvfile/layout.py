@@ -24,7 +24,7 @@ FLAG_KTM = 1
 REASON_UNKNOWN, COLD, CONTINUED, EVICT, SHUTDOWN = 0, 1, 2, 3, 4
 REASON_NAMES = {0: "unknown", 1: "cold", 2: "continued", 3: "evict", 4: "shutdown"}
 
-PAYLOAD_MAGIC, PAYLOAD_VERSION = b"DENS", 1
+PAYLOAD_MAGIC = b"DENS"
 # version 1: every layer holds every row; version 2 (models with sliding-window layers): a
 # u32 per layer after the 13 fields says how many rows that layer holds (section 4)
 PAYLOAD_V1, PAYLOAD_V2 = 1, 2

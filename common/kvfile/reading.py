@@ -62,9 +62,9 @@ def _frame(head, size: int):
 
 def _payload_head(h: Header, read) -> tuple[Geometry, tuple[int, ...] | None, bytes, int]:
     """(geometry, rows per layer (None: version 1, all n), fingerprint, offset of the token
-    ids in the payload), checked
-    against h. read(offset, size) gives payload bytes; _frame has checked that the header's
-    payload byte count lies within the file, and nothing is read beyond it."""
+    ids in the payload), checked against h. read(offset, size) gives payload bytes; _frame
+    has checked that the header's payload byte count lies within the file, and nothing is
+    read beyond it."""
     magic, ver, *f = struct.unpack_from(PAYLOAD_HEAD_FMT, read(0, PAYLOAD_HEAD_SIZE), 0)
     if magic != PAYLOAD_MAGIC:
         raise KVFileError("bad payload magic", repr(magic))
