@@ -7,14 +7,33 @@ import msgspec
 
 
 class Geometry(msgspec.Struct, frozen=True, kw_only=True):
-    """Payload fields 2..6 and 8..12 (field 7, the token count, belongs to the checkpoint)."""
+    """Payload fields 2..6 and 8..12 (field 7, the token count, belongs to the checkpoint),
+    and the per-layer sliding windows of the model.
+
+    windows: per layer, the window W in tokens of a sliding-window layer, 0 for a global
+    layer; () when every layer is global (dense models, payload version 1). A payload holds,
+    for n tokens, the last min(n, W) rows of a windowed layer (all a continuation from
+    position n attends to) and all n rows of a global one. A file stores those row counts,
+    not the windows: a Geometry read back from a file has windows () (see kvfile.read)."""
     ctx_size: int
     chunk_size: int
     kv_capacity: int
-    sliding_window: int = 0
+    sliding_window: int = 0            # field 5: the largest of windows (0 = full attention)
     compressed_capacity: int = 0
     n_layers: int
     kv_heads: int
     head_dim: int
     vocab_size: int
     kv_dtype: int
+    windows: tuple[int, ...] = ()
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer has a sliding window: checkpoints use payload version 2."""
+        return any(self.windows)
+
+    def rows(self, n_tokens: int) -> tuple[int, ...]:
+        """Rows per layer that a checkpoint of n_tokens holds (positions n - rows .. n - 1)."""
+        if not self.windows:
+            return (n_tokens,) * self.n_layers
+        return tuple(min(n_tokens, w) if w else n_tokens for w in self.windows)

@@ -192,6 +192,8 @@ def cmd_inspect(c: Cache, a, out):
     head = struct.unpack_from(kvfile.PAYLOAD_HEAD_FMT, buf, p0)
     doc["payload"] = dict(zip(PAYLOAD_FIELDS, (head[0].decode("latin-1"), *head[1:])))
     doc["payload"]["kv_dtype_name"] = KV_DTYPE_NAMES.get(e.geometry.kv_dtype, "?")
+    if head[1] == kvfile.PAYLOAD_V2:   # the per-layer row table after the 13 fields
+        doc["layer_rows"] = list(e.rows)
     computed = xxhash.xxh3_64_intdigest(buf[p0:end - kvfile.CHECKSUM_SIZE])
     doc.update(fingerprint=e.fingerprint.hex(), checksum=f"{e.checksum:016x}",
                checksum_ok=computed == e.checksum, text_sha1=e.sha1, name_ok=e.sha1 == sha1,
@@ -226,6 +228,8 @@ def _show_inspect(doc, a, out):
     for i, (k, v) in enumerate(doc["payload"].items()):
         if k != "kv_dtype_name":
             p(f"  {i:>2} {k:<20} {v}" + (f"  ({doc['payload']['kv_dtype_name']})" if k == "kv_dtype" else ""))
+    if "layer_rows" in doc:
+        p(f"layer rows   {' '.join(map(str, doc['layer_rows']))}")
     p(f"fingerprint  {doc['fingerprint']}")
     p(f"checksum     {doc['checksum']}  ({'ok' if doc['checksum_ok'] else 'MISMATCH'})")
     p(f"text sha1    {doc['text_sha1']}  ({'matches name' if doc['name_ok'] else 'NAME MISMATCH'})")

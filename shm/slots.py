@@ -1,11 +1,13 @@
 """Shared-memory slots that carry a checkpoint from inference to the persister.
 
-    slot file  /dev/shm/ricordo-<run-dir tag>-<i>, capacity = body_bytes(n_ctx)
-    +--------------+------------------+-------------------------------+--------------------
-    | tokens u32[n]| logits f32[vocab]| layer 0: K[n,KV,D] V[n,KV,D]  | layer 1: K V | ...
-    +--------------+------------------+-------------------------------+--------------------
+    slot file  /dev/shm/ricordo-<run-dir tag>-<i>, capacity = body_bytes(n_ctx) + SEQ_BYTES
+    +--------------+------------------+---------------------------------+------------------
+    | tokens u32[n]| logits f32[vocab]| layer 0: K[r0,KV,D] V[r0,KV,D]  | layer 1: K V | ...
+    +--------------+------------------+---------------------------------+------------------
     bytes [0, body_bytes(n)) are exactly the .kv payload between the fingerprint and the
     checksum (docs/kv-format.md section 4), so the persister writes them out as they are.
+    Layer l holds its last r_l = rows[l] positions (n - r_l .. n - 1): r_l = n for every
+    layer of a dense model, min(n, W) for a sliding-window layer (common.geometry.rows).
 
     FREE --inference copies rows, sends SaveCheckpoint--> BUSY --persister writes the file,
     sends SlotFreed--> FREE
@@ -40,21 +42,36 @@ def slot_path(run_dir: str, i: int) -> str:
 SEQ_BYTES = 8
 
 
-def body_bytes(n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, esize: int) -> int:
-    return 4 * n + 4 * vocab + 2 * layers * n * kv_heads * head_dim * esize
+def body_bytes(n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, esize: int,
+               rows: tuple[int, ...] | None = None) -> int:
+    """Bytes of a body of n tokens; rows: per layer (None: n for each of the layers)."""
+    held = layers * n if rows is None else sum(rows)
+    return 4 * n + 4 * vocab + 2 * held * kv_heads * head_dim * esize
 
 
-def read_body(body, n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, kv_numpy_dtype):
-    """The reader's side of SlotPool.write: (logits f32[vocab], K and V [layers, n, KV, D]) as
-    numpy views of a body of exactly body_bytes(n, ...) bytes (ValueError otherwise)."""
+def read_body(body, n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, kv_numpy_dtype,
+              rows: tuple[int, ...] | None = None):
+    """The reader's side of SlotPool.write: (logits f32[vocab], K, V) as numpy views of a body
+    of exactly body_bytes(n, ..., rows) bytes (ValueError otherwise). K and V: one array
+    [layers, n, KV, D] when rows is None, else lists of per-layer arrays [rows[l], KV, D]."""
     import numpy as np
     esize = np.dtype(kv_numpy_dtype).itemsize
-    want = body_bytes(n, vocab, layers, kv_heads, head_dim, esize)
+    want = body_bytes(n, vocab, layers, kv_heads, head_dim, esize, rows)
+    if rows is not None and len(rows) != layers:
+        raise ValueError(f"{len(rows)} row counts for {layers} layers")
     if len(body) != want:
         raise ValueError(f"slot holds {len(body)} bytes, expected {want}")
     logits = np.frombuffer(body[4 * n:4 * n + 4 * vocab], dtype="<f4")
-    kv = np.frombuffer(body[4 * n + 4 * vocab:], dtype=kv_numpy_dtype).reshape(layers, 2, n, kv_heads, head_dim)
-    return logits, kv[:, 0], kv[:, 1]
+    kv = np.frombuffer(body[4 * n + 4 * vocab:], dtype=kv_numpy_dtype)
+    if rows is None:
+        kv = kv.reshape(layers, 2, n, kv_heads, head_dim)
+        return logits, kv[:, 0], kv[:, 1]
+    k, v, off = [], [], 0
+    for r in rows:
+        for out in (k, v):
+            out.append(kv[off:off + r * kv_heads * head_dim].reshape(r, kv_heads, head_dim))
+            off += r * kv_heads * head_dim
+    return logits, k, v
 
 
 class SlotPool:
@@ -79,14 +96,19 @@ class SlotPool:
         return next((i for i in range(len(self.paths)) if i not in self.busy), None)
 
     def write(self, i: int, tokens: list[int], logits, k, v,
-              n: int, seq: int) -> int:
-        """Copy the first n rows of K/V caches [layers, KV, ctx, D] into slot i, marked with
-        seq (> 0); returns the body bytes."""
+              n: int, seq: int, rows: tuple[int, ...] | None = None) -> int:
+        """Copy the rows a checkpoint of n tokens holds from K/V caches [layers, KV, ctx, D]
+        into slot i, marked with seq (> 0); returns the body bytes. rows: per layer, how many
+        of the positions before n (None: all n); layer l copies n - rows[l] .. n - 1."""
         import torch   # here, not at import: the persister maps slots without torch
         assert i not in self.busy and seq > 0
         set_seq(self.maps[i], 0)
         L, KV, _, D = k.shape
         es = k.element_size()
+        # the body must end before the sequence mark, or the mark would overwrite its last rows
+        need = body_bytes(n, logits.numel(), L, KV, D, es, rows)
+        if need > len(self.maps[i]) - SEQ_BYTES:
+            raise ValueError(f"{need} body bytes do not fit a slot of {len(self.maps[i])} bytes")
         buf = torch.frombuffer(self.maps[i], dtype=torch.uint8)
         off = 0
 
@@ -97,10 +119,10 @@ class SlotPool:
             return t
         view(4 * n, torch.int32, (n,)).copy_(torch.tensor(tokens[:n], dtype=torch.int32))
         view(4 * logits.numel(), torch.float32, (logits.numel(),)).copy_(logits.float())
-        rows = n * KV * D * es
-        for layer in range(L):
-            view(rows, k.dtype, (n, KV, D)).copy_(k[layer, :, :n].transpose(0, 1))
-            view(rows, v.dtype, (n, KV, D)).copy_(v[layer, :, :n].transpose(0, 1))
+        for layer, r in enumerate((n,) * L if rows is None else rows):
+            assert 0 <= r <= n
+            view(r * KV * D * es, k.dtype, (r, KV, D)).copy_(k[layer, :, n - r:n].transpose(0, 1))
+            view(r * KV * D * es, v.dtype, (r, KV, D)).copy_(v[layer, :, n - r:n].transpose(0, 1))
         set_seq(self.maps[i], seq)
         self.busy[i] = seq
         return off

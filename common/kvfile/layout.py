@@ -24,7 +24,10 @@ FLAG_KTM = 1
 REASON_UNKNOWN, COLD, CONTINUED, EVICT, SHUTDOWN = 0, 1, 2, 3, 4
 REASON_NAMES = {0: "unknown", 1: "cold", 2: "continued", 3: "evict", 4: "shutdown"}
 
-PAYLOAD_MAGIC, PAYLOAD_VERSION = b"DENS", 1
+PAYLOAD_MAGIC = b"DENS"
+# version 1: every layer holds every row; version 2 (models with sliding-window layers): a
+# u32 per layer after the 13 fields says how many rows that layer holds (section 4)
+PAYLOAD_V1, PAYLOAD_V2 = 1, 2
 PAYLOAD_HEAD_FMT = "<4s12I"                 # 13 u32, the first read as 4 ASCII bytes
 PAYLOAD_HEAD_SIZE = 52
 FINGERPRINT_SIZE = 16
@@ -89,10 +92,23 @@ def parse_header(buf) -> Header:
     return h
 
 
-def payload_size(n_tokens: int, g: Geometry) -> int:
-    """Exact payload byte count of a checkpoint of n_tokens with geometry g."""
-    kv = 2 * g.n_layers * n_tokens * g.kv_heads * g.head_dim * KV_ITEMSIZE[g.kv_dtype]
-    return PAYLOAD_HEAD_SIZE + FINGERPRINT_SIZE + 4 * n_tokens + 4 * g.vocab_size + kv + CHECKSUM_SIZE
+def payload_version(g: Geometry) -> int:
+    """The payload version a checkpoint of geometry g is written in: 2 only with windowed
+    layers, so dense models keep writing version 1 byte for byte."""
+    return PAYLOAD_V2 if g.windowed else PAYLOAD_V1
+
+
+def payload_size(n_tokens: int, g: Geometry, rows: tuple[int, ...] | None = None) -> int:
+    """Exact payload byte count of a checkpoint of n_tokens with geometry g. rows: the rows
+    per layer of a version 2 payload (default: g.rows(n_tokens) when g is windowed, else a
+    version 1 payload)."""
+    if rows is None and g.windowed:
+        rows = g.rows(n_tokens)
+    table = 0 if rows is None else 4 * len(rows)
+    held = g.n_layers * n_tokens if rows is None else sum(rows)
+    kv = 2 * held * g.kv_heads * g.head_dim * KV_ITEMSIZE[g.kv_dtype]
+    return (PAYLOAD_HEAD_SIZE + table + FINGERPRINT_SIZE + 4 * n_tokens + 4 * g.vocab_size + kv
+            + CHECKSUM_SIZE)
 
 
 def entry_name(text: bytes) -> str:
@@ -109,16 +125,25 @@ def is_entry_name(name: str) -> bool:
     return _ENTRY_RE.fullmatch(name) is not None
 
 
-def geometry_problem(stored: Geometry, n_tokens: int, expected: Geometry) -> tuple[str, str] | None:
+def geometry_problem(stored: Geometry, n_tokens: int, expected: Geometry,
+                     rows: tuple[int, ...] | None = None) -> tuple[str, str] | None:
     """Why a checkpoint cannot be restored into a session of `expected` geometry, or None.
     Layers, heads, head dim, vocab, KV dtype, sliding window and compressed capacity must be
-    equal; the writer's context must not exceed ours (section 7) and the rows must fit our
+    equal, and the windows too where stored has them (a file stores rows, not windows); the
+    rows each layer holds (rows, else stored.rows(n_tokens)) must be what expected implies for
+    n_tokens; the writer's context must not exceed ours (section 7) and the rows must fit our
     capacity. Prefill chunk size and the writer's own capacity do not matter."""
     for f in ("n_layers", "kv_heads", "head_dim", "vocab_size", "kv_dtype", "sliding_window",
               "compressed_capacity"):
         a, b = getattr(stored, f), getattr(expected, f)
         if a != b:
             return "geometry mismatch", f"{f} {a} != {b}"
+    if stored.windows and stored.windows != expected.windows:
+        return "geometry mismatch", f"windows {stored.windows} != {expected.windows}"
+    held, want = tuple(stored.rows(n_tokens) if rows is None else rows), expected.rows(n_tokens)
+    if held != want:
+        i = next(i for i, (a, b) in enumerate(zip(held, want)) if a != b)
+        return "layer rows mismatch", f"layer {i} holds {held[i]} rows, {n_tokens} tokens need {want[i]}"
     if stored.ctx_size > expected.ctx_size or n_tokens > expected.kv_capacity:
         return "context too large", (f"written with context {stored.ctx_size}, {n_tokens} tokens;"
                                      f" ours {expected.ctx_size}, capacity {expected.kv_capacity}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from common.kvfile.layout import (CHECKSUM_SIZE, FINGERPRINT_SIZE, FLAG_KTM, Geometry, HEADER_SIZE, Header, KTM_MAGIC, KTM_MAX_BLOCK, KTM_MAX_ID, KTM_VERSION, KVFileError, KV_ITEMSIZE, KV_NUMPY, OFF_HITS, OFF_LAST_USED, PAYLOAD_HEAD_FMT, PAYLOAD_HEAD_SIZE, PAYLOAD_MAGIC, PAYLOAD_VERSION, REASON_NAMES, TEXT_OFFSET, geometry_problem, is_entry_name, parse_header, payload_size)
+from common.kvfile.layout import (CHECKSUM_SIZE, FINGERPRINT_SIZE, FLAG_KTM, Geometry, HEADER_SIZE, Header, KTM_MAGIC, KTM_MAX_BLOCK, KTM_MAX_ID, KTM_VERSION, KVFileError, KV_ITEMSIZE, KV_NUMPY, OFF_HITS, OFF_LAST_USED, PAYLOAD_HEAD_FMT, PAYLOAD_HEAD_SIZE, PAYLOAD_MAGIC, PAYLOAD_V1, PAYLOAD_V2, REASON_NAMES, TEXT_OFFSET, geometry_problem, is_entry_name, parse_header, payload_size)
 
 
 @dataclass
@@ -23,10 +23,14 @@ class Entry:
     text: bytes
     tokens: np.ndarray          # uint32 [n]
     logits: np.ndarray          # float32 [vocab]
-    k: np.ndarray               # [layers, n, kv_heads, head_dim]; bf16 as uint16; may be read-only
-    v: np.ndarray               # views of the file's mmap (not contiguous, maybe unaligned)
+    # Indexed by layer: [rows[l], kv_heads, head_dim], the layer's last rows[l] positions.
+    # Version 1: one array [layers, n, kv_heads, head_dim]; version 2: a list of per-layer
+    # arrays. bf16 as uint16; views of the file's mmap (read-only, maybe unaligned).
+    k: np.ndarray | list[np.ndarray]
+    v: np.ndarray | list[np.ndarray]
     checksum: int
     ktm: dict[str, bytes] = field(default_factory=dict)
+    rows: tuple[int, ...] = ()  # rows held per layer (version 1: n for every layer)
 
     @property
     def sha1(self) -> str:
@@ -56,12 +60,15 @@ def _frame(head, size: int):
     return h, tl, p0
 
 
-def _payload_head(h: Header, ph) -> tuple[Geometry, bytes]:
-    """Geometry and fingerprint from the payload's first 68 bytes, checked against h."""
-    magic, ver, *f = struct.unpack_from(PAYLOAD_HEAD_FMT, ph, 0)
+def _payload_head(h: Header, read) -> tuple[Geometry, tuple[int, ...] | None, bytes, int]:
+    """(geometry, rows per layer (None: version 1, all n), fingerprint, offset of the token
+    ids in the payload), checked against h. read(offset, size) gives payload bytes; _frame
+    has checked that the header's payload byte count lies within the file, and nothing is
+    read beyond it."""
+    magic, ver, *f = struct.unpack_from(PAYLOAD_HEAD_FMT, read(0, PAYLOAD_HEAD_SIZE), 0)
     if magic != PAYLOAD_MAGIC:
         raise KVFileError("bad payload magic", repr(magic))
-    if ver != PAYLOAD_VERSION:
+    if ver not in (PAYLOAD_V1, PAYLOAD_V2):
         raise KVFileError("wrong payload version", f"payload version {ver}")
     ctx, chunk, cap, sw, comp, n, layers, heads, hd, vocab, dt = f
     if n != h.n_tokens:
@@ -73,10 +80,21 @@ def _payload_head(h: Header, ph) -> tuple[Geometry, bytes]:
     g = Geometry(ctx_size=ctx, chunk_size=chunk, kv_capacity=cap, sliding_window=sw,
                  compressed_capacity=comp, n_layers=layers, kv_heads=heads, head_dim=hd,
                  vocab_size=vocab, kv_dtype=dt)
-    if payload_size(n, g) != h.payload_bytes:
+    off, rows = PAYLOAD_HEAD_SIZE, None
+    if ver == PAYLOAD_V2:
+        if off + 4 * layers + FINGERPRINT_SIZE + CHECKSUM_SIZE > h.payload_bytes:
+            raise KVFileError("payload size mismatch", f"header {h.payload_bytes}, {layers} layers")
+        rows = struct.unpack_from(f"<{layers}I", read(off, 4 * layers), 0)
+        off += 4 * layers
+        # a layer holds all n rows, or (windowed) its last min(n, W) with 0 < W <= field 5
+        bad = [r for r in rows if r > n or (r < n and not 0 < r <= sw)]
+        if not sw or bad:
+            raise KVFileError("bad layer rows", f"{n} tokens, sliding window {sw}, rows {bad or rows}")
+    if payload_size(n, g, rows) != h.payload_bytes:
         raise KVFileError("payload size mismatch",
-                          f"header {h.payload_bytes}, fields imply {payload_size(n, g)}")
-    return g, bytes(ph[PAYLOAD_HEAD_SIZE:PAYLOAD_HEAD_SIZE + FINGERPRINT_SIZE])
+                          f"header {h.payload_bytes}, fields imply {payload_size(n, g, rows)}")
+    fp = bytes(read(off, FINGERPRINT_SIZE))
+    return g, rows, fp, off + FINGERPRINT_SIZE
 
 
 def _ktm(buf, max_ids: int | None):
@@ -111,8 +129,8 @@ def read(path_or_bytes, *, expect_geometry: Geometry | None = None,
     full=False skips only the checksum. Raises KVFileError with the first problem found."""
     buf = _buffer(path_or_bytes)
     h, _, p0 = _frame(buf[:TEXT_OFFSET], len(buf))
-    g, fp = _payload_head(h, buf[p0:p0 + PAYLOAD_HEAD_SIZE + FINGERPRINT_SIZE])
     end = p0 + h.payload_bytes
+    g, rows, fp, off = _payload_head(h, lambda o, size: buf[p0 + o:p0 + o + size])
     (stored,) = struct.unpack_from("<Q", buf, end - CHECKSUM_SIZE)
 
     def checksum():
@@ -124,7 +142,7 @@ def read(path_or_bytes, *, expect_geometry: Geometry | None = None,
     # A geometry or fingerprint mismatch is a foreign model's file (kept) only if the payload
     # is sound: a flipped byte in those fields must read as corruption (deleted), or the same
     # broken file would be tried again on every request.
-    problem = geometry_problem(g, h.n_tokens, expect_geometry) if expect_geometry is not None else None
+    problem = geometry_problem(g, h.n_tokens, expect_geometry, rows) if expect_geometry is not None else None
     if problem is None and expect_fingerprint is not None and bytes(expect_fingerprint) != fp:
         problem = ("fingerprint mismatch", f"{fp.hex()} != {bytes(expect_fingerprint).hex()}")
     if problem:
@@ -134,17 +152,26 @@ def read(path_or_bytes, *, expect_geometry: Geometry | None = None,
         raise KVFileError("trailing bytes", f"{len(buf) - end} bytes after the payload")
     checksum()
     n = h.n_tokens
-    off = p0 + PAYLOAD_HEAD_SIZE + FINGERPRINT_SIZE
+    off += p0
     tokens = np.frombuffer(buf, dtype="<u4", count=n, offset=off)
     off += 4 * n
     logits = np.frombuffer(buf, dtype="<f4", count=g.vocab_size, offset=off)
     off += 4 * g.vocab_size
-    rows = g.n_layers * 2 * n * g.kv_heads * g.head_dim
-    kv = np.frombuffer(buf, dtype=KV_NUMPY[g.kv_dtype], count=rows, offset=off)
-    kv = kv.reshape(g.n_layers, 2, n, g.kv_heads, g.head_dim)
+    dtype, row = KV_NUMPY[g.kv_dtype], g.kv_heads * g.head_dim
+    if rows is not None:   # version 2: each layer its own row count
+        k, v = [], []
+        for r in rows:
+            for out in (k, v):
+                out.append(np.frombuffer(buf, dtype=dtype, count=r * row, offset=off)
+                           .reshape(r, g.kv_heads, g.head_dim))
+                off += r * row * np.dtype(dtype).itemsize
+    else:
+        kv = np.frombuffer(buf, dtype=dtype, count=g.n_layers * 2 * n * row, offset=off)
+        kv = kv.reshape(g.n_layers, 2, n, g.kv_heads, g.head_dim)
+        k, v = kv[:, 0], kv[:, 1]
     ktm = parse_ktm(buf[end:], ktm_max_ids) if h.flags & FLAG_KTM else {}
     text = bytes(buf[TEXT_OFFSET:p0])
-    return Entry(h, g, fp, text, tokens, logits, kv[:, 0], kv[:, 1], stored, ktm)
+    return Entry(h, g, fp, text, tokens, logits, k, v, stored, ktm, rows or (n,) * g.n_layers)
 
 
 @dataclass
@@ -155,6 +182,7 @@ class Meta:
     size: int                   # file size in bytes
     geometry: Geometry
     fingerprint: bytes
+    rows: tuple[int, ...]       # rows held per layer (version 1: the token count for each)
 
 
 def _read_head(path, with_text: bool):
@@ -164,17 +192,17 @@ def _read_head(path, with_text: bool):
         size = os.fstat(fd).st_size
         h, tl, p0 = _frame(os.pread(fd, TEXT_OFFSET, 0), size)
         text = os.pread(fd, tl, TEXT_OFFSET) if with_text else b""
-        g, fp = _payload_head(h, os.pread(fd, PAYLOAD_HEAD_SIZE + FINGERPRINT_SIZE, p0))
+        g, rows, fp, _ = _payload_head(h, lambda o, n: os.pread(fd, n, p0 + o))
     finally:
         os.close(fd)
-    return h, tl, text, size, g, fp
+    return h, tl, text, size, g, fp, rows or (h.n_tokens,) * g.n_layers
 
 
 def read_meta(path) -> Meta:
     """Header, text length, SHA1 of the text, file size, geometry and fingerprint, reading only
     the first bytes of the file (for the startup index). Does not verify the checksum."""
-    h, tl, text, size, g, fp = _read_head(path, True)
-    return Meta(h, tl, hashlib.sha1(text).hexdigest(), size, g, fp)
+    h, tl, text, size, g, fp, rows = _read_head(path, True)
+    return Meta(h, tl, hashlib.sha1(text).hexdigest(), size, g, fp, rows)
 
 
 def read_text(path) -> bytes:
@@ -184,7 +212,7 @@ def read_text(path) -> bytes:
 def read_ktm(path, max_ids: int | None = None) -> dict[str, bytes]:
     """Only the KTM section ({} when the flag is clear). Raises KVFileError for a file whose
     header, text length or payload head is unsound."""
-    h, tl, _, size, _, _ = _read_head(path, False)
+    h, tl, _, size, *_ = _read_head(path, False)
     if not h.flags & FLAG_KTM:
         return {}
     end = TEXT_OFFSET + tl + h.payload_bytes

@@ -19,7 +19,7 @@ import torch
 from common import kvfile
 from common import messages as m
 from procs.inference.model import KVSession
-from shm.slots import SlotPool, body_bytes
+from shm.slots import SEQ_BYTES, SlotPool, body_bytes
 
 KV_DTYPES = {torch.float32: kvfile.KV_F32, torch.bfloat16: kvfile.KV_BF16, torch.float16: kvfile.KV_F16}
 _SHA1 = re.compile(r"[0-9a-f]{40}")
@@ -39,7 +39,9 @@ class Disk:
         c = model.cfg
         self.kv_dtype = KV_DTYPES[model.dtype]
         es = torch.empty((), dtype=model.dtype).element_size()
+        windows = tuple(c.windows) if any(c.windows) else ()   # all global: a dense model (v1)
         self.geometry = kvfile.Geometry(ctx_size=n_ctx, chunk_size=s.chunk_size, kv_capacity=n_ctx,
+                                        sliding_window=max(windows, default=0), windows=windows,
                                         n_layers=c.n_layers, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                         vocab_size=c.vocab_size, kv_dtype=self.kv_dtype)
         self.pool = None
@@ -47,7 +49,9 @@ class Disk:
         self.seq = int(time.time() * 1000)   # save sequence numbers, unique across restarts
         self.last_restore_bytes = 0
         if s.kv_disk_dir:
-            cap = body_bytes(n_ctx, c.vocab_size, c.n_layers, c.n_kv_heads, c.head_dim, es)
+            # per-layer rows only grow with n, so a body of n_ctx tokens is the largest
+            cap = body_bytes(n_ctx, c.vocab_size, c.n_layers, c.n_kv_heads, c.head_dim, es,
+                             self.geometry.rows(n_ctx)) + SEQ_BYTES
             self.pool = SlotPool(run_dir, 2, cap)
 
     @property
@@ -76,6 +80,9 @@ class Disk:
     def save(self, sess: KVSession, n: int, logits: torch.Tensor | None, reason: int) -> bool:
         if self.pool is None or logits is None or n <= 0 or n > len(sess):
             return False
+        if not sess.can_export(n):   # restored windowed rows start after what n needs
+            self.log.info("no checkpoint at %d: the session lacks the window rows before it", n)
+            return False
         i = self.pool.free_slot()
         end = time.monotonic() + (0 if self.stuck else SLOT_WAIT_S)
         while i is None and time.monotonic() < end:
@@ -88,8 +95,9 @@ class Disk:
             self.stuck = True
             return False
         self.seq += 1
-        nbytes = self.pool.write(i, sess.tokens, logits, sess.k, sess.v, n, self.seq)
         g, c = self.geometry, self.model.cfg
+        nbytes = self.pool.write(i, sess.tokens, logits, sess.k, sess.v, n, self.seq,
+                                 g.rows(n) if g.windowed else None)
         self.send(m.SaveCheckpoint(slot=i, seq=self.seq, slot_path=self.pool.paths[i], nbytes=nbytes,
                                    tokens=tuple(sess.tokens[:n]), reason=reason, geometry=g,
                                    quant_bits=c.quant_bits, fingerprint=self.model.fingerprint))
@@ -116,9 +124,12 @@ class Disk:
             raise RestoreError("different quantization")
         torch_dtype = self.model.dtype
 
-        def tensor(a: np.ndarray) -> torch.Tensor:
-            """[layers, n, KV, D]: a strided view of the checked mmap, never written; import_
-            copies it into the session once (a contiguous copy first doubled restore time)."""
+        def tensor(a):
+            """[layers, n, KV, D] (version 1) or a list of [rows, KV, D] (version 2): strided
+            views of the checked mmap, never written; import_ copies them into the session
+            once (a contiguous copy first doubled restore time)."""
+            if isinstance(a, list):
+                return [tensor(x) for x in a]
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                 t = torch.from_numpy(a)
@@ -127,5 +138,6 @@ class Disk:
         if any(t >= self.model.cfg.vocab_size for t in tokens):
             raise RestoreError("token id out of range")
         sess.import_(tokens, torch.from_numpy(np.array(e.logits)), tensor(e.k), tensor(e.v))
-        self.last_restore_bytes = e.k.nbytes + e.v.nbytes + e.logits.nbytes + e.tokens.nbytes + len(e.text)
+        kv_bytes = sum(a.nbytes for a in [*e.k, *e.v])
+        self.last_restore_bytes = kv_bytes + e.logits.nbytes + e.tokens.nbytes + len(e.text)
         return len(tokens)

@@ -278,7 +278,13 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 class KVSession:
-    """One sequence's K/V for the whole context, its token ids, and the next-token logits."""
+    """One sequence's K/V for the whole context, its token ids, and the next-token logits.
+
+    Every layer keeps full-length K/V, so a session computed here can be truncated to any
+    prefix. A restored checkpoint of n tokens brings a sliding-window layer only its last
+    min(n, W) rows: that layer then holds no rows below its floor n - min(n, W), and the
+    session may only be truncated to lengths whose next query sees no key below a floor
+    (can_keep). A truncate to 0 forgets the floors; prefills never move them."""
 
     def __init__(self, model: Llama, n_ctx: int, chunk: int, exact: bool = False):
         """exact: prefill rows are bit-identical however a prompt is split between cache and
@@ -295,9 +301,32 @@ class KVSession:
         self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.tokens: list[int] = []
         self.logits: torch.Tensor | None = None   # float32 [V], after the last token
+        self.windows = list(c.windows) if c.windows else [0] * c.n_layers   # 0: a global layer
+        self.floors = [0] * c.n_layers   # per layer: the first position it holds rows for
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def window_floor(self) -> int:
+        """The first position every layer holds rows for (0 unless restored from a windowed
+        checkpoint)."""
+        return max(self.floors)
+
+    def can_keep(self, k: int) -> bool:
+        """Whether truncating to k tokens leaves a correct session: the next query (position
+        k) of each windowed layer sees keys max(0, k - W + 1) .. k - 1, which that layer must
+        hold."""
+        k = min(k, len(self.tokens))
+        return k == 0 or all(max(0, k - w + 1) >= f for w, f in zip(self.windows, self.floors) if w)
+
+    def rows(self, n: int) -> list[int]:
+        """Rows per layer a checkpoint of n tokens holds (common.geometry.Geometry.rows)."""
+        return [min(n, w) if w else n for w in self.windows]
+
+    def can_export(self, n: int) -> bool:
+        """Whether the session holds every row a checkpoint of its first n tokens stores."""
+        return 0 <= n <= len(self.tokens) and all(n - r >= f for r, f in zip(self.rows(n), self.floors))
 
     def boundaries(self, start: int, end: int, split_at=()) -> list[int]:
         """Chunk ends from start to end: absolute multiples of chunk, plus split_at."""
@@ -338,23 +367,52 @@ class KVSession:
         return self.logits
 
     def truncate(self, k: int) -> None:
-        """Keep the first k tokens. Logits are unknown until a token is prefilled (None)."""
+        """Keep the first k tokens. Logits are unknown until a token is prefilled (None).
+        Raises ValueError for a k the session cannot keep (can_keep)."""
+        if k <= 0:
+            self.floors = [0] * len(self.floors)
+        elif not self.can_keep(k):
+            raise ValueError(f"cannot keep {k} tokens: windowed layers hold no rows below "
+                             f"{self.window_floor}")
         if k < len(self.tokens):
             del self.tokens[k:]
             self.logits = None
 
     def export(self, n: int | None = None):
-        """Rows of the first n tokens as [layers, n, KV, D] copies (K, V)."""
+        """(tokens, K, V) of the first n tokens, copies: K and V are [layers, n, KV, D] for a
+        model without windowed layers, else lists per layer of [rows(n)[l], KV, D] (the
+        layer's last rows, positions n - rows .. n - 1)."""
         n = len(self.tokens) if n is None else n
-        k = self.k[:, :, :n].transpose(1, 2).contiguous()
-        v = self.v[:, :, :n].transpose(1, 2).contiguous()
+        if not any(self.windows):
+            k = self.k[:, :, :n].transpose(1, 2).contiguous()
+            v = self.v[:, :, :n].transpose(1, 2).contiguous()
+            return list(self.tokens[:n]), k, v
+        if not self.can_export(n):
+            raise ValueError(f"the session does not hold the rows of a checkpoint of {n} tokens")
+        rows = self.rows(n)
+        k = [self.k[i, :, n - r:n].transpose(0, 1).contiguous() for i, r in enumerate(rows)]
+        v = [self.v[i, :, n - r:n].transpose(0, 1).contiguous() for i, r in enumerate(rows)]
         return list(self.tokens[:n]), k, v
 
-    def import_(self, tokens: list[int], logits: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
+    def import_(self, tokens: list[int], logits: torch.Tensor | None, k, v) -> None:
+        """Replace the session by a checkpoint: K and V [layers, n, KV, D], or per layer
+        [rows, KV, D] holding the layer's last rows (a global layer all n, a windowed one at
+        least min(n, W)). The layers' floors follow from the rows."""
         n = len(tokens)
         if n > self.n_ctx:
             raise ValueError("checkpoint larger than the context")
-        self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
-        self.v[:, :, :n] = v.to(self.v.device, self.v.dtype).transpose(1, 2)
+        rows = [x.shape[0] for x in k]
+        need = self.rows(n)
+        if len(rows) != len(need) or [x.shape[0] for x in v] != rows or \
+                any(not need_l <= r <= n for r, need_l in zip(rows, need)):
+            raise ValueError(f"checkpoint rows {rows} for {n} tokens; the model needs {need}")
+        if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):   # all n rows: one copy
+            self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
+            self.v[:, :, :n] = v.to(self.v.device, self.v.dtype).transpose(1, 2)
+        else:
+            for i, r in enumerate(rows):
+                self.k[i, :, n - r:n] = k[i].to(self.k.device, self.k.dtype).transpose(0, 1)
+                self.v[i, :, n - r:n] = v[i].to(self.v.device, self.v.dtype).transpose(0, 1)
+        self.floors = [n - r for r in rows]
         self.tokens = list(tokens)
         self.logits = None if logits is None else logits.to(self.model.device, torch.float32).clone()

@@ -8,18 +8,24 @@ from common import messages as m
 from common.policy import cold_position, continued_frontiers
 
 
-def live_reuse(ids, planned: int, live: list[int], has_logits: bool, chunk: int) -> tuple[int, bool]:
+def live_reuse(ids, planned: int, live: list[int], has_logits: bool, chunk: int,
+               can_keep=lambda k: True) -> tuple[int, bool]:
     """(tokens of the live session to keep, whether the plan no longer held). The plan holds
     when the live session still starts with the prompt's first `planned` ids. A prompt that
     is cached whole but without its logits is re-run from the chunk boundary at or below its
     last token, so the chunk is the one a cold prefill ran and the logits (and a greedy
-    answer) are the same as the first time."""
+    answer) are the same as the first time. can_keep(k) (KVSession.can_keep): whether the
+    session can be truncated to k; a prefix it cannot keep (a restored windowed checkpoint
+    holds no rows a query there would see) is no plan either: nothing is kept."""
     r, stale = planned, False
     if r > len(live) or list(ids[:r]) != live[:r]:
         r, stale = 0, True
     if r >= len(ids) and (len(live) != len(ids) or not has_logits):
         r = (len(ids) - 1) // chunk * chunk
-    return min(r, len(ids)), stale
+    r = min(r, len(ids))
+    if r and not can_keep(r):
+        r, stale = 0, True
+    return r, stale
 
 
 def prompt_saves(s, planned: tuple[m.SavePoint, ...], start: int, end: int, fell_back_cold: bool,

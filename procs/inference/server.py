@@ -161,9 +161,10 @@ class Worker:
     def plan(self, job: m.Job) -> int:
         """Tokens of the live session to keep: the renderer's plan if it still holds."""
         r, stale = live_reuse(job.ids, job.reuse, self.live.tokens, self.live.logits is not None,
-                              self.s.chunk_size)
+                              self.s.chunk_size, self.live.can_keep)
         if stale:
-            self.log.warning("job %s: live session differs from the plan; cold prefill", job.rid)
+            self.log.warning("job %s: live session differs from the plan or lacks the window rows "
+                             "it needs (floor %d); cold prefill", job.rid, self.live.window_floor)
         return r
 
     def start(self, job: m.Job) -> tuple[list[int], int]:

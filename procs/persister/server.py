@@ -33,7 +33,8 @@ KTM_SCAN_IDS = 4096       # newest tool ids checked against each checkpoint's te
 # restore rejections that mean the file itself is broken (kvfile reasons): only these delete
 CORRUPT = {"bad magic", "wrong version", "truncated", "payload size mismatch", "bad payload magic",
            "wrong payload version", "token count mismatch", "context mismatch", "bad payload header",
-           "trailing bytes", "checksum mismatch", "text does not match the name", "token id out of range"}
+           "trailing bytes", "checksum mismatch", "text does not match the name", "token id out of range",
+           "bad layer rows"}
 
 
 class Persister:

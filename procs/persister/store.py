@@ -110,7 +110,7 @@ class Store:
         n = len(save.tokens)
         g = save.geometry
         logits, k, v = slots.read_body(body, n, g.vocab_size, g.n_layers, g.kv_heads, g.head_dim,
-                                       kvfile.KV_NUMPY[g.kv_dtype])
+                                       kvfile.KV_NUMPY[g.kv_dtype], g.rows(n) if g.windowed else None)
         size = kvfile.TEXT_OFFSET + len(text) + kvfile.payload_size(n, g)    # KTM aside: small
         if size > self.budget:      # it would be evicted at once (section 8): spare the fsync
             if not self.warned_budget:

@@ -153,7 +153,7 @@ def test_distinct_reasons():
         "dtype": reason_of(blob, expect_geometry=geom(kf.KV_F32)),
         "context": reason_of(blob, expect_geometry=geom(ctx_size=2048, kv_capacity=2048)),
         "payload magic": reason_of(patched(p0, b"DSV4")),
-        "payload version": reason_of(patched(p0 + 4, struct.pack("<I", 2))),
+        "payload version": reason_of(patched(p0 + 4, struct.pack("<I", 3))),
         "token count": reason_of(patched(8, struct.pack("<I", 8))),
         "payload size": reason_of(patched(40, struct.pack("<Q", kf.payload_size(7, g) - 2))),
         "trailing": reason_of(blob + b"x"),
@@ -312,3 +312,126 @@ def test_a_flipped_fingerprint_byte_is_corruption_not_a_foreign_model():
     assert reason_of(blob, expect_fingerprint=bytes(16)) == "fingerprint mismatch"
     # the same for a geometry field: a sound file of another geometry is "geometry mismatch"
     assert reason_of(blob, expect_geometry=geom(head_dim=16)) == "geometry mismatch"
+
+
+# -- version 2: models with sliding-window layers (docs/kv-format.md section 4) ----------------
+
+WINDOWS = (4, 0, 4)     # two windowed layers of 4 rows around a global one
+
+
+def wgeom(kv_dtype=kf.KV_BF16, windows=WINDOWS, **kw):
+    return geom(kv_dtype, windows=windows, sliding_window=max(windows), **kw)
+
+
+def v1_payload(g, tokens, logits, k, v) -> bytes:
+    """A version 1 payload built by hand from section 4 (what the writer wrote before v2)."""
+    n = len(tokens)
+    body = struct.pack("<4s12I", b"DENS", 1, g.ctx_size, g.chunk_size, g.kv_capacity, g.sliding_window,
+                       g.compressed_capacity, n, g.n_layers, g.kv_heads, g.head_dim, g.vocab_size, g.kv_dtype)
+    body += FP + np.asarray(tokens, "<u4").tobytes() + np.asarray(logits, "<f4").tobytes()
+    for layer in range(g.n_layers):
+        body += k[layer].tobytes() + v[layer].tobytes()
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+@pytest.mark.parametrize("dt", [kf.KV_BF16, kf.KV_F32])
+def test_dense_payload_is_version_1_byte_for_byte(dt):
+    g = geom(dt)
+    assert not g.windowed and kf.payload_version(g) == 1
+    blob, (tokens, logits, k, v) = make(g, n=9)
+    assert blob[kf.TEXT_OFFSET + len(TEXT):] == v1_payload(g, tokens, logits, k, v)
+
+
+@pytest.mark.parametrize("n", [0, 3, 4, 11])        # below, at and above the window of 4
+def test_v2_round_trip(tmp_path, n):
+    g = wgeom()
+    rows = g.rows(n)
+    assert rows == (min(n, 4), n, min(n, 4)) and kf.payload_version(g) == 2
+    blob, (tokens, logits, k, v) = make(g, n=n)
+    assert len(blob) == kf.TEXT_OFFSET + len(TEXT) + kf.payload_size(n, g)
+    assert kf.payload_size(n, g) == kf.payload_size(n, g, rows)
+    p0 = kf.TEXT_OFFSET + len(TEXT)
+    assert struct.unpack_from("<4s12I", blob, p0)[:2] == (b"DENS", 2)
+    assert struct.unpack_from("<I", blob, p0 + 20)[0] == 4                 # field 5: the largest window
+    assert struct.unpack_from("<3I", blob, p0 + 52) == rows
+    assert blob[p0 + 64:p0 + 80] == FP
+    # layer by layer after tokens and logits: K then V, the layer's last rows in logical order
+    off, expect = p0 + 80 + 4 * n + 4 * g.vocab_size, b""
+    for layer, r in enumerate(rows):
+        expect += k[layer, n - r:].tobytes() + v[layer, n - r:].tobytes()
+    assert blob[off:off + len(expect)] == expect and off + len(expect) + 8 == len(blob)
+    for src in (blob, write(tmp_path, blob)):
+        e = kf.read(src, expect_geometry=g, expect_fingerprint=FP)
+        assert e.rows == rows and e.geometry.sliding_window == 4 and e.geometry.windows == ()
+        assert np.array_equal(e.tokens, tokens) and np.array_equal(e.logits, logits)
+        for layer, r in enumerate(rows):
+            assert e.k[layer].shape == (r, 2, 8)
+            assert np.array_equal(e.k[layer], k[layer, n - r:]) and np.array_equal(e.v[layer], v[layer, n - r:])
+    p = write(tmp_path, blob)
+    assert kf.verify(p) == []
+    meta = kf.read_meta(p)
+    assert meta.rows == rows and meta.size == len(blob)
+    # the same payload from per-layer arrays and from raw bytes of the held rows
+    kl = [k[i, n - r:] for i, r in enumerate(rows)]
+    vl = [v[i, n - r:] for i, r in enumerate(rows)]
+    assert kf.pack(TEXT, tokens, logits, kl, vl, g, FP, 4, kf.COLD, now=NOW) == blob
+    raw = lambda xs: b"".join(x.tobytes() for x in xs)   # noqa: E731
+    assert kf.pack(TEXT, tokens, logits, raw(kl), raw(vl), g, FP, 4, kf.COLD, now=NOW) == blob
+
+
+def test_v2_sizes_against_dense():
+    g, d = wgeom(), geom()
+    row = 2 * 2 * 8 * 2                  # K and V of one position in one layer, bf16
+    for n in (1, 4, 1000):
+        held = sum(g.rows(n))
+        assert kf.payload_size(n, g) - kf.payload_size(n, d) == 12 + (held - 3 * n) * row
+
+
+def test_v2_refusals(tmp_path):
+    g = wgeom()
+    blob, _ = make(g, n=11)
+    p0 = kf.TEXT_OFFSET + len(TEXT)
+
+    def repack(b):   # patched payload bytes with a valid checksum again
+        b = bytearray(b)
+        b[-8:] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b[p0:-8])))
+        return bytes(b)
+    patched = lambda off, b: repack(blob[:off] + b + blob[off + len(b):])   # noqa: E731
+    # another layout of windows with the same largest window: the rows disagree
+    assert reason_of(blob, expect_geometry=wgeom(windows=(0, 4, 4))) == "layer rows mismatch"
+    assert reason_of(blob, expect_geometry=wgeom(windows=(4, 0, 6))) == "geometry mismatch"
+    assert reason_of(blob, expect_geometry=geom()) == "geometry mismatch"       # a dense model
+    # rows no geometry can mean, rows that disagree with the size, and unknown versions
+    assert reason_of(patched(p0 + 52, struct.pack("<I", 12))) == "bad layer rows"   # > 11 tokens
+    assert reason_of(patched(p0 + 52, struct.pack("<I", 5))) == "bad layer rows"    # > field 5
+    assert reason_of(patched(p0 + 52, struct.pack("<I", 3))) == "payload size mismatch"
+    assert reason_of(patched(p0 + 20, struct.pack("<I", 0))) == "bad layer rows"    # v2 needs a window
+    for ver in (0, 3, 0xFFFFFFFF):
+        assert reason_of(patched(p0 + 4, struct.pack("<I", ver))) == "wrong payload version"
+    # a short payload table: the row table would run past the payload
+    assert reason_of(patched(p0 + 32, struct.pack("<I", 10**6))) == "payload size mismatch"
+    with pytest.raises(KVFileError) as ei:     # read_meta (the index) refuses the same way
+        kf.read_meta(write(tmp_path, patched(p0 + 52, struct.pack("<I", 12))))
+    assert ei.value.reason == "bad layer rows"
+
+
+def test_v1_files_read_into_windowed_models_only_when_their_rows_agree():
+    """A version 1 file holds all n rows; a windowed model takes it when that is what it
+    needs (n <= every window) and the rest of the geometry agrees, never otherwise."""
+    blob_small, _ = make(geom(sliding_window=4), n=3)
+    e = kf.read(blob_small, expect_geometry=wgeom())
+    assert e.rows == (3, 3, 3) and e.k.shape == (3, 3, 2, 8)       # version 1: one array
+    blob_long, _ = make(geom(sliding_window=4), n=11)
+    assert reason_of(blob_long, expect_geometry=wgeom()) == "layer rows mismatch"
+
+
+def test_geometry_rows_and_messages():
+    import msgspec
+    g = wgeom()
+    assert g.windowed and not geom().windowed and not geom(windows=(0, 0, 0)).windowed
+    assert geom().rows(5) == (5, 5, 5) and g.rows(0) == (0, 0, 0) and g.rows(9) == (4, 9, 4)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(g), type=Geometry) == g
+    with pytest.raises(ValueError):      # field 5 must be the largest window
+        kf.pack(TEXT, *data(g, 2), geom(windows=WINDOWS, sliding_window=3), FP, 4, kf.COLD)
+    assert kf.geometry_problem(g, 9, wgeom(windows=(4, 4, 4)))[0] == "geometry mismatch"
+    assert kf.geometry_problem(g, 9, g) is None

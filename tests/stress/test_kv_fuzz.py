@@ -40,13 +40,14 @@ LOG = logging.getLogger("stress-fuzz")
 N_CTX, CHUNK = 128, 32
 FINGERPRINT = bytes(range(16))
 # every reason a restore may give (kvfile's fixed strings and Disk's own)
-KNOWN_REASONS = CORRUPT | {"geometry mismatch", "fingerprint mismatch", "context too large", "file gone",
+KNOWN_REASONS = CORRUPT | {"geometry mismatch", "layer rows mismatch", "fingerprint mismatch", "context too large", "file gone",
                            "different quantization", "bad sha1", "no cache directory"}
 
 
 class Cfg:
     def __init__(self, vocab=64):
         self.n_layers, self.n_kv_heads, self.head_dim, self.vocab_size, self.quant_bits = 2, 2, 8, vocab, 4
+        self.windows = ()   # every layer global: a dense model
 
 
 class FakeModel:
