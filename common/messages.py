@@ -284,6 +284,7 @@ class JobDone(msgspec.Struct, tag="job_done", frozen=True):
     rid: str
     reason: str                         # stop | length | cancelled
     live: tuple[int, ...]               # the live session's token ids after this job
+    keep_from: int = 0                  # the shortest prefix > 0 it can be cut to (0: any; KVSession.keep_from)
 
 
 class JobError(msgspec.Struct, tag="job_error", frozen=True):
@@ -314,6 +315,7 @@ class LiveState(msgspec.Struct, tag="live_state", frozen=True):
     boot: str
     tokens: tuple[int, ...]
     busy: bool = False
+    keep_from: int = 0                  # as JobDone.keep_from
 
 
 class IndexSnapshot(msgspec.Struct, tag="index", frozen=True):

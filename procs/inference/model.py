@@ -320,6 +320,11 @@ class KVSession:
         k = min(k, len(self.tokens))
         return k == 0 or all(max(0, k - w + 1) >= f for w, f in zip(self.windows, self.floors) if w)
 
+    @property
+    def keep_from(self) -> int:
+        """The shortest prefix > 0 that can_keep (0: every prefix), for the renderer's plan."""
+        return max((f + w - 1 for w, f in zip(self.windows, self.floors) if w and f), default=0)
+
     def rows(self, n: int) -> list[int]:
         """Rows per layer a checkpoint of n tokens holds (common.geometry.Geometry.rows)."""
         return [min(n, w) if w else n for w in self.windows]

@@ -103,6 +103,7 @@ class Worker:
                 self.disk.all_free()
             elif isinstance(msg, m.LiveQuery):
                 self.send(m.LiveState(rid="", boot=self.boot, tokens=tuple(self.live.tokens),
+                                      keep_from=self.live.keep_from,
                                       busy=bool(self.running or self.jobs)))
             else:
                 self.send(self.health(msg.rid, msg.seq))
@@ -119,7 +120,8 @@ class Worker:
                 job = self.jobs.popleft()
                 if job.rid in self.cancelled:
                     self.cancelled.discard(job.rid)
-                    self.send(m.JobDone(rid=job.rid, reason="cancelled", live=tuple(self.live.tokens)))
+                    self.send(m.JobDone(rid=job.rid, reason="cancelled", live=tuple(self.live.tokens),
+                                        keep_from=self.live.keep_from))
                     continue
                 if self.send_back(job):
                     continue
@@ -146,7 +148,7 @@ class Worker:
         if len(self.sent_back) > MAX_CANCELLED:
             self.sent_back.pop(next(iter(self.sent_back)))
         self.log.info("job %s: planned against another live session; sent back to be planned again", job.rid)
-        self.send(m.LiveState(rid=job.rid, boot=self.boot, tokens=tuple(live)))
+        self.send(m.LiveState(rid=job.rid, boot=self.boot, tokens=tuple(live), keep_from=self.live.keep_from))
         return True
 
     def shutdown(self) -> None:
@@ -300,7 +302,8 @@ class Worker:
             self.live.truncate(keep - 1)        # its logits (decode rows, as when generated),
             self.live.decode(last)              # so the session can still be checkpointed
         t2 = time.perf_counter()
-        self.send(m.JobDone(rid=job.rid, reason=reason, live=tuple(self.live.tokens)))
+        self.send(m.JobDone(rid=job.rid, reason=reason, live=tuple(self.live.tokens),
+                            keep_from=self.live.keep_from))
         source = "disk" if job.restore and r else ("live" if r else "cold")
         self.log.info("job %s: %s, cached %d, suffix %d prefilled in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s, %s",
                       job.rid, source, r, todo, t1 - t0, todo / max(t1 - t0, 1e-9), n,

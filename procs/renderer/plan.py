@@ -28,9 +28,11 @@ class Plan:
 
 
 def plan_job(s, text: TextModel, n_ctx: int, index: DiskIndex, live: list[int], quant_bits: int,
-             req: m.GenerateRequest, prompt: bytes, full: list[int]) -> Plan:
+             req: m.GenerateRequest, prompt: bytes, full: list[int], keep_from: int = 0) -> Plan:
+    """keep_from: the shortest live prefix the session can be cut to (a session restored from
+    a windowed checkpoint lacks the rows below it); a shorter reuse is no reuse."""
     ids, reuse = plan_reuse(text, prompt, full, live, s.kv_cache_min_tokens)
-    if len(ids) >= n_ctx:            # the live-text split can tokenize longer than the whole
+    if len(ids) >= n_ctx or 0 < reuse < keep_from:   # the live-text split can tokenize longer
         ids, reuse = full, 0
     restore, suffix, notes = None, (), []
     sha = hashlib.sha1(prompt).hexdigest()

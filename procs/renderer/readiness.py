@@ -106,11 +106,11 @@ class Readiness:
         if ev.rid and cur is not None and ev.rid == cur.req.rid:
             # inference did not run the job: it was planned against a session it does not hold
             self.log.warning("job %s: planned against a stale live session; planning it again", ev.rid)
-            self.live = list(ev.tokens)
+            self.live, self.live_keep_from = list(ev.tokens), ev.keep_from
             self.current = None
             self.queue.appendleft(cur)
             self.dispatch()
         elif not ev.rid and not ev.busy and cur is None and self.live is None \
                 and (self.inference is None or ev.boot == self.inference.boot):
-            self.live = list(ev.tokens)
+            self.live, self.live_keep_from = list(ev.tokens), ev.keep_from
             self.keep_ready(time.monotonic())

@@ -79,6 +79,7 @@ class Renderer(Readiness, Answers):
         self.current: Pending | None = None
         self.current_since = 0.0
         self.live: list[int] | None = None     # None: not known (ask inference: LiveQuery)
+        self.live_keep_from = 0                 # the shortest prefix of it that can be kept (JobDone)
         self.inference: m.InferenceHealth | None = None
         self.last_heard = 0.0
         self.heard_at_dispatch = False
@@ -246,7 +247,8 @@ class Renderer(Readiness, Answers):
             return
         p = self.queue.popleft()
         pl = plan_job(self.s, self.text, self.n_ctx, self.index, self.live,
-                      self.inference.quant_bits if self.inference else 0, p.req, p.prompt, p.full)
+                      self.inference.quant_bits if self.inference else 0, p.req, p.prompt, p.full,
+                      self.live_keep_from)
         for line in pl.notes:
             self.trace.line(line)
         p.ids, p.miss = pl.ids, pl.miss
@@ -315,12 +317,12 @@ class Renderer(Readiness, Answers):
         elif isinstance(ev, m.JobDone):
             if not p.finished:     # cancelled by inference itself (shutdown)
                 self.finish(p, "length" if ev.reason == "length" else "stop")
-            self.live = list(ev.live)
+            self.live, self.live_keep_from = list(ev.live), ev.keep_from
             self.current = None
             self.dispatch()
         elif isinstance(ev, m.JobError):
             self.fail(p, 500, ev.message, err_type="server_error")
-            self.live = list(ev.live)
+            self.live, self.live_keep_from = list(ev.live), 0
             self.current = None
             self.dispatch()
 

@@ -195,6 +195,7 @@ def test_can_keep_and_live_reuse_refuse_the_rows_below_the_floor(gemma):
     assert s.window_floor == 12
     # truncating to k keeps the session only if position k still sees its W - 1 keys
     assert [s.can_keep(k) for k in (0, 18, 19, 20, 25)] == [True, False, True, True, True]
+    assert s.keep_from == 19 and whole.keep_from == 0          # what the renderer is told
     with pytest.raises(ValueError):
         s.truncate(18)
     assert s.tokens == ids[:20]                                   # a refused truncate changes nothing

@@ -36,6 +36,17 @@ def test_live_session_prefix_is_kept(text_model):
     assert pl.miss == "no checkpoints" and any("live session reused" in n for n in pl.notes)
 
 
+def test_live_prefix_shorter_than_keep_from_is_not_reused(text_model):
+    """A live session restored from a windowed checkpoint cannot be cut below keep_from:
+    a plan that would keep less prefills the prompt instead (or restores a checkpoint)."""
+    s, ix, prompt, full = setup(text_model)
+    ix.update(m.IndexSnapshot(entries=(), version=1))
+    live = full[:100] + [7, 7, 7]
+    assert plan_job(s, text_model, 8192, ix, live, 4, CHAT, prompt, full, keep_from=100).reuse == 100
+    pl = plan_job(s, text_model, 8192, ix, live, 4, CHAT, prompt, full, keep_from=101)
+    assert (pl.reuse, pl.cached, pl.ids) == (0, 0, full)
+
+
 def test_longer_checkpoint_beats_the_live_session(text_model):
     s, ix, prompt, full = setup(text_model)
     cut = prompt.index(b" w150")
