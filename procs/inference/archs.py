@@ -9,6 +9,7 @@ is a per-frequency divisor that the model folds into its rotary table once.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 
@@ -31,6 +32,9 @@ class Arch:
     embed_scale: bool = False        # embeddings times sqrt(dim) (Gemma)
     # HF tensor names that differ from LAYER_TENSORS' Llama names: ours -> HF suffix
     hf_names: tuple[tuple[str, str], ...] = ()
+    # every layer's MLP is a mixture of SiLU-gated experts behind a softmax top-k router
+    # (Qwen3 MoE) instead of one dense MLP
+    moe: bool = False
 
 
 _GEMMA_HF = (("ffn_norm", "pre_feedforward_layernorm.weight"),
@@ -49,6 +53,8 @@ ARCHS = {
                    hf_norm_offset=1.0, embed_scale=True, hf_names=_GEMMA_HF),
 }
 ARCHS["gemma3_text"] = ARCHS["gemma3"]
+# Qwen3 MoE: Qwen3 attention, experts in every layer (HF model_type qwen3_moe, GGUF qwen3moe)
+ARCHS["qwen3moe"] = ARCHS["qwen3_moe"] = Arch("qwen3moe", qk_norm=True, gguf_permuted_qk=False, moe=True)
 # Gemma 3: every 6th layer attends globally, the others over a sliding window with their own
 # RoPE base (llama.cpp's set_swa_pattern(6) and rope_freq_base_train_swa; transformers'
 # layer_types and rope_parameters["sliding_attention"]).
@@ -73,6 +79,12 @@ LAYER_TENSORS = {
     "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     "post_attn_norm": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
     "post_ffn_norm": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+    # MoE: the router [E, dim], and the experts, which a GGUF stores stacked ([E, rows, cols]
+    # in torch order) and an HF checkpoint one tensor per expert ({e}: the expert's index)
+    "router": ("mlp.gate.weight", "ffn_gate_inp.weight"),
+    "gate_exps": ("mlp.experts.{e}.gate_proj.weight", "ffn_gate_exps.weight"),
+    "up_exps": ("mlp.experts.{e}.up_proj.weight", "ffn_up_exps.weight"),
+    "down_exps": ("mlp.experts.{e}.down_proj.weight", "ffn_down_exps.weight"),
 }
 # Tensors of the layers that change the math, which an architecture without them must not
 # silently drop (a Llama with attention_bias, say): present but unused is a load error.
@@ -88,7 +100,8 @@ def arch_of(name: str, where: str) -> Arch:
 
 def layer_names(arch: Arch) -> list[str]:
     """Our per-layer tensor names this architecture needs, all of them required."""
-    names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm"]
+    names += ["router", "gate_exps", "up_exps", "down_exps"] if arch.moe else ["w_gate", "w_up", "w_down"]
     if arch.qkv_bias:
         names += ["bq", "bk", "bv"]
     if arch.qk_norm:
@@ -110,6 +123,7 @@ def unused_math(arch: Arch, present: set[str], fmt: int) -> list[str]:
     but that this architecture would not read."""
     used = {tensor_name(arch, n, fmt) for n in layer_names(arch)}
     known = {v[fmt] for v in LAYER_TENSORS.values()} | MATH_EXTRAS | {v for _, v in arch.hf_names}
+    present = {re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{e}.", s) for s in present}
     return sorted(s for s in present if s in known and s not in used)
 
 
@@ -134,10 +148,37 @@ def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high:
     return tuple(out)
 
 
-def hf_rope(c: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...]]:
-    """(theta, divisors or ()) from a config.json. Current transformers saves the rope base
-    and scaling in `rope_parameters`; older configs keep a top-level `rope_theta` and an
-    optional `rope_scaling`. Precedence follows transformers' standardize_rope_params."""
+def yarn_factors(theta: float, head_dim: int, factor: float, original_ctx: float, beta_fast: float = 32.0,
+                 beta_slow: float = 1.0, truncate: bool = True) -> tuple[float, ...]:
+    """YaRN's per-frequency divisors: frequency i turns theta^(-2i/D) * original_ctx / 2pi times
+    over the original context; dims turning more than beta_fast times keep their frequency,
+    fewer than beta_slow are divided by factor, and a linear ramp over the dim index blends the
+    two between (the bounds rounded outwards unless truncate is off), as transformers'
+    _compute_yarn_parameters and ggml's rope_yarn_corr_dims place them."""
+    def dim_of(turns: float) -> float:
+        return head_dim * math.log(original_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001     # transformers' guard against a zero-width ramp
+    out = []
+    for i in range(head_dim // 2):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)     # 0: kept, 1: divided by factor
+        out.append(1.0 / (ramp / factor + (1.0 - ramp)))
+    return tuple(out)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context extended `factor` times (0.1 ln(s) + 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def hf_rope(c: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...], float]:
+    """(theta, divisors or (), attention factor) from a config.json. Current transformers saves
+    the rope base and scaling in `rope_parameters`; older configs keep a top-level `rope_theta`
+    and an optional `rope_scaling`. Precedence follows transformers' standardize_rope_params."""
     rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
     if any(isinstance(v, dict) for v in rp.values()):
         raise ModelLoadError(f"{where}: per-layer-type RoPE parameters are not supported")
@@ -147,17 +188,57 @@ def hf_rope(c: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...
         raise ModelLoadError(f"{where}: partial rotary embeddings are not supported")
     kind = rp.get("rope_type", rp.get("type", "default")) or "default"
     if kind == "default":
-        return theta, ()
+        return theta, (), 1.0
     if kind == "linear":
-        return theta, (float(rp["factor"]),) * (head_dim // 2)
+        return theta, (float(rp["factor"]),) * (head_dim // 2), 1.0
+    # a top-level original_max_position_embeddings wins, as in transformers
+    orig = float(c.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings")
+                 or c.get("max_position_embeddings", 8192))
     if kind == "llama3":
-        # a top-level original_max_position_embeddings wins, as in transformers
-        orig = c.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") \
-            or c.get("max_position_embeddings", 8192)
         return theta, llama3_factors(theta, head_dim, float(rp.get("factor", 8.0)),
                                      float(rp.get("low_freq_factor", 1.0)),
-                                     float(rp.get("high_freq_factor", 4.0)), float(orig))
-    raise ModelLoadError(f"{where}: unsupported RoPE scaling {kind!r} (default, linear, llama3)")
+                                     float(rp.get("high_freq_factor", 4.0)), orig), 1.0
+    if kind == "yarn":
+        factor = rp.get("factor")
+        factor = float(c["max_position_embeddings"]) / orig if factor is None else float(factor)
+        attn = rp.get("attention_factor")
+        if attn is None:   # mscale / mscale_all_dim (DeepSeek's) only when both are set
+            m, m_all = rp.get("mscale"), rp.get("mscale_all_dim")
+            attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+        return theta, yarn_factors(theta, head_dim, factor, orig, float(rp.get("beta_fast") or 32),
+                                   float(rp.get("beta_slow") or 1), bool(rp.get("truncate", True))), float(attn)
+    raise ModelLoadError(f"{where}: unsupported RoPE scaling {kind!r} (default, linear, llama3, yarn)")
+
+
+def hf_moe(c: dict, where: str) -> dict:
+    """A mixture-of-experts config's ModelConfig fields (Qwen3 MoE). Only the layout where
+    every layer's MLP is the experts is supported: transformers makes layer i dense when it
+    is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0."""
+    if c.get("mlp_only_layers") or int(c.get("decoder_sparse_step") or 1) != 1:
+        raise ModelLoadError(f"{where}: dense MLP layers among the expert layers (mlp_only_layers, "
+                             f"decoder_sparse_step) are not supported")
+    n = c.get("num_experts", c.get("num_local_experts"))   # transformers 5 saves the latter
+    if not n or not c.get("num_experts_per_tok") or not c.get("moe_intermediate_size"):
+        raise ModelLoadError(f"{where}: a mixture of experts needs num_experts, num_experts_per_tok "
+                             f"and moe_intermediate_size")
+    return dict(ffn_dim=int(c["moe_intermediate_size"]), n_experts=int(n),
+                n_experts_used=int(c["num_experts_per_tok"]), moe_norm_topk=bool(c.get("norm_topk_prob", False)))
+
+
+def gguf_moe(meta: dict, prefix: str, where: str) -> dict:
+    """The same fields from GGUF metadata. llama.cpp's qwen3moe graph always renormalizes the
+    top-k weights (norm_topk_prob: true in every released Qwen3 MoE) and has no dense layers."""
+    try:
+        fields = dict(ffn_dim=int(meta[prefix + "expert_feed_forward_length"]),
+                      n_experts=int(meta[prefix + "expert_count"]),
+                      n_experts_used=int(meta[prefix + "expert_used_count"]), moe_norm_topk=True)
+    except KeyError as e:
+        raise ModelLoadError(f"{where}: missing GGUF field {e}") from None
+    if int(meta.get(prefix + "leading_dense_block_count", 0)) or int(meta.get(prefix + "expert_shared_count", 0)):
+        raise ModelLoadError(f"{where}: dense or shared-expert MLPs are not supported")
+    if int(meta.get(prefix + "expert_gating_func", 1)) != 1:
+        raise ModelLoadError(f"{where}: only softmax expert gating is supported")
+    return fields
 
 
 def gemma3_layers(n_layers: int, window: int, pattern: int = GEMMA3_SWA_PATTERN,
@@ -181,9 +262,9 @@ def hf_gemma3(c: dict, head_dim: int, where: str) -> dict:
         local = {"rope_theta": c.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)}
     if (local.get("rope_type") or "default") != "default":
         raise ModelLoadError(f"{where}: scaled RoPE on sliding-window layers is not supported")
-    theta, factors = hf_rope({**c, "rope_parameters": {"rope_theta": 1e6, **full}}, head_dim, where)
+    theta, factors, attn = hf_rope({**c, "rope_parameters": {"rope_theta": 1e6, **full}}, head_dim, where)
     n = c["num_hidden_layers"]
-    return dict(rope_theta=theta, rope_factors=factors,
+    return dict(rope_theta=theta, rope_factors=factors, rope_attn_factor=attn,
                 rope_theta_local=float(local.get("rope_theta", GEMMA3_LOCAL_THETA)),
                 windows=gemma3_layers(n, int(c.get("sliding_window") or 4096),
                                       int(c.get("sliding_window_pattern", GEMMA3_SWA_PATTERN)),
@@ -203,9 +284,14 @@ def gguf_gemma3(meta: dict, prefix: str, n_layers: int, dim: int, n_heads: int, 
                 attn_scale=float(scale_dim) ** -0.5, embed_scale=float(dim) ** 0.5)
 
 
-def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs, where: str) -> tuple[float, tuple[float, ...]]:
-    """(theta, divisors or ()) from GGUF metadata and the optional rope_freqs tensor, which
-    llama.cpp's converter writes for Llama 3.1 scaling (the divisors themselves)."""
+def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs,
+              where: str) -> tuple[float, tuple[float, ...], float]:
+    """(theta, divisors or (), attention factor) from GGUF metadata and the optional rope_freqs
+    tensor, which llama.cpp's converter writes for Llama 3.1 scaling (the divisors themselves).
+    YaRN as the converter writes it from a config: rope.scaling.factor, original_context_length,
+    and yarn_beta_fast / yarn_beta_slow / yarn_attn_factor when the config sets them (a config's
+    attention_factor replaces the 0.1 ln(factor) + 1 default, as in transformers); the
+    converter writes no truncate flag and ggml always rounds the ramp's bounds."""
     theta = float(meta.get(prefix + "rope.freq_base", 10000.0))
     dims = int(meta.get(prefix + "rope.dimension_count", head_dim))
     if dims != head_dim:
@@ -216,9 +302,20 @@ def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs, where: str) ->
             raise ModelLoadError(f"{where}: rope_freqs has {len(rope_freqs)} entries, not {head_dim // 2}")
         factors = [float(f) for f in rope_freqs]
     kind = str(meta.get(prefix + "rope.scaling.type", "none"))
+    scale = float(meta.get(prefix + "rope.scaling.factor", 1.0))
+    attn = 1.0
     if kind == "linear":
-        scale = float(meta.get(prefix + "rope.scaling.factor", 1.0))
         factors = [f * scale for f in factors]
+    elif kind == "yarn":
+        key = prefix + "rope.scaling."
+        if float(meta.get(key + "yarn_ext_factor", 1.0)) != 1.0 or float(meta.get(key + "yarn_log_multiplier", 0.0)):
+            raise ModelLoadError(f"{where}: YaRN with an extrapolation factor or log multiplier is not supported")
+        if key + "original_context_length" not in meta:
+            raise ModelLoadError(f"{where}: YaRN scaling without rope.scaling.original_context_length")
+        yarn = yarn_factors(theta, head_dim, scale, float(meta[key + "original_context_length"]),
+                            float(meta.get(key + "yarn_beta_fast", 32.0)), float(meta.get(key + "yarn_beta_slow", 1.0)))
+        factors = [f * y for f, y in zip(factors, yarn)]
+        attn = float(meta.get(key + "yarn_attn_factor", yarn_mscale(scale)))
     elif kind != "none":
-        raise ModelLoadError(f"{where}: unsupported RoPE scaling {kind!r} (none, linear, rope_freqs)")
-    return theta, (() if all(f == 1.0 for f in factors) else tuple(factors))
+        raise ModelLoadError(f"{where}: unsupported RoPE scaling {kind!r} (none, linear, yarn, rope_freqs)")
+    return theta, (() if all(f == 1.0 for f in factors) else tuple(factors)), attn

@@ -1,6 +1,6 @@
 """Load a Llama-family checkpoint (GGUF, or a Hugging Face safetensors dir) into torch.
 
-The architectures (Llama, Mistral, Qwen2, Qwen3, Gemma 3) are described in procs/inference/archs.py.
+The architectures (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Gemma 3) are described in procs/inference/archs.py.
 Format quirks live here, never in forward(): Llama-family GGUFs store Q/K rows permuted for
 llama.cpp's adjacent-pair RoPE, and we un-permute them to the Hugging Face half-split layout
 the model uses; quantized tensors are dequantized once, into the compute dtype.
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from common.gguf_file import GGUFError, GGUFFile
-from procs.inference.archs import (ModelLoadError, arch_of, gguf_gemma3, gguf_rope, hf_gemma3,
-                                   hf_rope, layer_names, tensor_name, unused_math)
+from procs.inference.archs import (ModelLoadError, arch_of, gguf_gemma3, gguf_moe, gguf_rope, hf_gemma3,
+                                   hf_moe, hf_rope, layer_names, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
@@ -30,7 +30,7 @@ QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4,
 class ModelConfig:
     n_layers: int
     dim: int
-    ffn_dim: int
+    ffn_dim: int                           # the MLP's width; with experts, each expert's
     n_heads: int
     n_kv_heads: int
     head_dim: int
@@ -50,6 +50,14 @@ class ModelConfig:
     attn_scale: float = 0.0                # attention logits times this (0: 1/sqrt(head_dim))
     windows: tuple[int, ...] = ()          # per layer: sliding window in tokens, 0 global; () all global
     rope_theta_local: float = 0.0          # RoPE base of the windowed layers (0: rope_theta)
+    # YaRN: cos and sin times this (so attention logits times its square); 1.0 otherwise
+    rope_attn_factor: float = 1.0
+    # mixture of experts (archs.Arch.moe): every layer routes each token to n_experts_used of
+    # n_experts SiLU-gated MLPs by softmax over the router's logits, the chosen weights
+    # renormalized to sum to 1 when moe_norm_topk
+    n_experts: int = 0
+    n_experts_used: int = 0
+    moe_norm_topk: bool = False
 
 
 @dataclass
@@ -156,13 +164,17 @@ def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     An unscaled Llama GGUF hashes the same bytes as before architectures were described
     (the arch name was always the prefix), so its checkpoints stay valid. norm_eps is hashed
     at f32 precision, as GGUF stores it (an HF dir's 1e-5 hashed as itself before, so its
-    fingerprint never equalled its GGUF's); rope factors to 6 significant digits, as a GGUF's f32
-    rope_freqs and a config's f64 computation of the same scaling agree to that."""
+    fingerprint never equalled its GGUF's); rope factors and YaRN's attention factor to 6
+    significant digits, as a GGUF's f32 values and a config's f64 computation of the same
+    scaling agree to that. Fields at their defaults stay out, so adding one changes no
+    existing model's fingerprint."""
     skip = ("quant_bits", "max_context", "arch", "rope_factors")
     dflt = ModelConfig(**{f: getattr(cfg, f) for f in _REQUIRED})
     dims = {k: v for k, v in asdict(cfg).items()
             if k not in skip and (k in _REQUIRED or v != getattr(dflt, k))}
     dims["norm_eps"] = float(np.float32(cfg.norm_eps))
+    if "rope_attn_factor" in dims:
+        dims["rope_attn_factor"] = float(f"{cfg.rope_attn_factor:.6g}")
     h = hashlib.blake2b(digest_size=16)
     h.update(cfg.arch.encode() + b"\0" + json.dumps(dims, sort_keys=True).encode())
     if cfg.rope_factors:
@@ -189,21 +201,23 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         raise ModelLoadError(f"{path}: missing GGUF field {e}") from None
     types = {}
     for t in g.tensors.values():
-        if t.name.endswith(".weight") and len(t.shape) == 2:
+        if t.name.endswith(".weight") and len(t.shape) >= 2:   # experts are 3-D
             types[t.type_name] = types.get(t.type_name, 0) + 1
     main_type = max(types, key=types.get)
     head_dim = int(m.get(p + "attention.key_length", dim // n_heads))
     rf = _dequant(g, "rope_freqs.weight").tolist() if "rope_freqs.weight" in g.tensors else None
-    theta, factors = gguf_rope(m, p, head_dim, rf, path)
+    theta, factors, attn = gguf_rope(m, p, head_dim, rf, path)
+    extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
+    if arch.name == "gemma3":
+        extra.update(gguf_gemma3(m, p, int(m[p + "block_count"]), dim, n_heads, head_dim))
     cfg = ModelConfig(
-        n_layers=int(m[p + "block_count"]), dim=dim, ffn_dim=int(m[p + "feed_forward_length"]),
+        n_layers=int(m[p + "block_count"]), dim=dim,
         n_heads=n_heads, n_kv_heads=int(m.get(p + "attention.head_count_kv", n_heads)),
         head_dim=head_dim, vocab_size=int(emb.shape[1]), rope_theta=theta,
         norm_eps=float(m[p + "attention.layer_norm_rms_epsilon"]),
         max_context=int(m.get(p + "context_length", 4096)),
         tied_embeddings="output.weight" not in g.tensors, quant_bits=QUANT_BITS.get(main_type, 0),
-        arch=arch.name, rope_factors=factors, act=arch.act,
-        **(gguf_gemma3(m, p, int(m[p + "block_count"]), dim, n_heads, head_dim) if arch.name == "gemma3" else {}))
+        arch=arch.name, rope_factors=factors, rope_attn_factor=attn, act=arch.act, **extra)
     _check_unused(arch, g.tensors, r"blk\.\d+\.", 1, path)
     names = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
     for i in range(cfg.n_layers):
@@ -220,6 +234,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             raise ModelLoadError(f"{path}: missing tensor {gname}")
         info = g.tensors[gname]
         w = _dequant(g, gname)
+        if ours.endswith("_exps") and w.shape[0] != cfg.n_experts:
+            raise ModelLoadError(f"{path}: {gname} holds {w.shape[0]} experts, not {cfg.n_experts}")
         heads = permuted.get(ours.rsplit(".", 1)[-1])
         if heads:
             w = _unpermute(w, heads)
@@ -269,19 +285,17 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
     if arch.name == "gemma3":
         extra = hf_gemma3(c, head_dim, path)
-        theta, factors = extra.pop("rope_theta"), extra.pop("rope_factors")
         if c.get("final_logit_softcapping") or c.get("attn_logit_softcapping"):
             raise ModelLoadError(f"{path}: logit soft-capping is not supported")
     else:
-        extra = {}
-        theta, factors = hf_rope(c, head_dim, path)
+        extra = dict(zip(("rope_theta", "rope_factors", "rope_attn_factor"), hf_rope(c, head_dim, path)))
+    extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))
     cfg = ModelConfig(
-        n_layers=c["num_hidden_layers"], dim=c["hidden_size"], ffn_dim=c["intermediate_size"],
+        n_layers=c["num_hidden_layers"], dim=c["hidden_size"],
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
-        head_dim=head_dim, vocab_size=c["vocab_size"], rope_theta=theta,
+        head_dim=head_dim, vocab_size=c["vocab_size"],
         norm_eps=float(c["rms_norm_eps"]), max_context=int(c.get("max_position_embeddings", 4096)),
-        tied_embeddings="lm_head.weight" not in st, quant_bits=16, arch=arch.name, rope_factors=factors,
-        act=arch.act, **extra)
+        tied_embeddings="lm_head.weight" not in st, quant_bits=16, arch=arch.name, act=arch.act, **extra)
     _check_unused(arch, st, r"model\.layers\.\d+\.", 0, path)
     names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
              "lm_head.weight": "lm_head"}
@@ -290,11 +304,14 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             names[f"model.layers.{i}.{tensor_name(arch, ours, 0)}"] = f"layers.{i}.{ours}"
     tensors, norms = {}, {}
     for hf, ours in names.items():
-        if hf not in st:
+        if "{e}" in hf:   # one tensor per expert: stacked as a GGUF stores them, [E, rows, cols]
+            hf = [hf.format(e=e) for e in range(cfg.n_experts)]
+        missing = [n for n in (hf if isinstance(hf, list) else [hf]) if n not in st]
+        if missing:
             if ours == "lm_head":
                 continue
-            raise ModelLoadError(f"{path}: missing tensor {hf}")
-        w = st[hf]
+            raise ModelLoadError(f"{path}: missing tensor {missing[0]}")
+        w = torch.stack([st[n] for n in hf]) if isinstance(hf, list) else st[hf]
         if ours.endswith("norm"):   # as a GGUF stores it: Gemma's (1 + w) folded in
             w = w.float() + arch.hf_norm_offset
             norms[ours] = w

@@ -1,8 +1,9 @@
 """Llama-family decoder in plain torch, and the KV session it fills.
 
-What an architecture adds (q/k/v biases, per-head q/k norms, RoPE scaling) arrives as
-tensors and config from the loader (procs/inference/archs.py); forward() applies whatever a
-layer carries and never asks which architecture it runs.
+What an architecture adds (q/k/v biases, per-head q/k norms, RoPE scaling, a mixture of
+experts in place of the MLP) arrives as tensors and config from the loader
+(procs/inference/archs.py); forward() applies whatever a layer carries and never asks which
+architecture it runs.
 
 Shapes: T = tokens in this call, S = keys attended (position + T), H = query heads,
 KV = key/value heads, D = head dim. The K/V cache is preallocated for the whole context as
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from procs.inference.loader import LoadedWeights, ModelConfig
+from procs.inference.moe import MoE
 
 
 # Decode (a few rows) is bound by weight bytes read: it reads weight-only packed copies, 4-bit
@@ -81,8 +83,9 @@ class Layer(NamedTuple):
     wo: Linear
     post_attn_norm: torch.Tensor | None    # Gemma 3: RMSNorm on the attention output
     ffn_norm: torch.Tensor
-    wgu: Linear
-    wd: Linear
+    wgu: Linear | None                     # the dense MLP, or None where moe is set
+    wd: Linear | None
+    moe: MoE | None                        # Qwen3 MoE: experts in place of the dense MLP
     post_ffn_norm: torch.Tensor | None     # Gemma 3: RMSNorm on the MLP output
     window: int                            # sliding window (0: attends to every earlier key)
     rope: int                              # index into Llama.rope
@@ -119,6 +122,8 @@ class Llama:
                 qkn = torch.cat([t[p + "q_norm"].expand(c.n_heads, -1),
                                  t[p + "k_norm"].expand(c.n_kv_heads, -1)]).contiguous()
             window = c.windows[i] if c.windows else 0
+            moe = MoE(*(t[p + n] for n in ("router", "gate_exps", "up_exps", "down_exps")),
+                      c.n_experts_used, c.moe_norm_topk) if c.n_experts else None
             self.layers.append(Layer(
                 t[p + "attn_norm"],
                 fused("wq", "wk", "wv"),                       # [(H+2KV)*D, dim]
@@ -127,8 +132,9 @@ class Llama:
                 fused("wo"),
                 t.get(p + "post_attn_norm"),
                 t[p + "ffn_norm"],
-                fused("w_gate", "w_up"),                       # [2*ffn, dim]
-                fused("w_down"),
+                None if moe else fused("w_gate", "w_up"),      # [2*ffn, dim]
+                None if moe else fused("w_down"),
+                moe,
                 t.get(p + "post_ffn_norm"),
                 window,
                 1 if window and c.rope_theta_local else 0,     # which rotary table
@@ -138,12 +144,12 @@ class Llama:
         self.scale = c.attn_scale or c.head_dim ** -0.5
         # rotary tables in float32, cast once: [ctx, D] (HF half-split layout); a second
         # table for windowed layers with their own base (Gemma 3), unscaled
-        self.rope = [self._rotary(c.rope_theta, c.rope_factors, max_context)]
+        self.rope = [self._rotary(c.rope_theta, c.rope_factors, max_context, c.rope_attn_factor)]
         if c.rope_theta_local:
             self.rope.append(self._rotary(c.rope_theta_local, (), max_context))
         self.max_context = max_context
 
-    def _rotary(self, theta: float, factors, max_context: int):
+    def _rotary(self, theta: float, factors, max_context: int, attn_factor: float = 1.0):
         c = self.cfg
         inv = 1.0 / (theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         if factors:   # RoPE scaling: per-frequency divisors (loader.ModelConfig)
@@ -153,7 +159,9 @@ class Llama:
         # sin with rotate-half's sign folded in: x*cos + roll(x, D/2)*sin equals
         # x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in fewer ops
         sign = torch.cat([-torch.ones(c.head_dim // 2), torch.ones(c.head_dim // 2)]).double()
-        return ang.cos().to(self.device, self.dtype), (ang.sin() * sign).to(self.device, self.dtype)
+        # YaRN's attention factor scales both tables, as transformers does: q.k gains its square
+        return ((ang.cos() * attn_factor).to(self.device, self.dtype),
+                (ang.sin() * sign * attn_factor).to(self.device, self.dtype))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; cos/sin: [T, 1, D] (sin signed, see __init__)
@@ -177,10 +185,13 @@ class Llama:
         if pad_to and T > pad_to:
             raise ValueError(f"{T} rows exceed the exact-mode block of {pad_to}")
 
+        def mm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            if pad_to:   # one GEMM shape whatever the row count (at most T)
+                return F.linear(F.pad(h, (0, 0, 0, pad_to - h.shape[0])), w)[:h.shape[0]]
+            return F.linear(h, w)
+
         def lin(f: Linear, h: torch.Tensor) -> torch.Tensor:
-            if pad_to:
-                return F.linear(F.pad(h, (0, 0, 0, pad_to - T)), f.w)[:T]
-            return f(h)
+            return mm(h, f.w) if pad_to else f(h)
         x = F.embedding(ids, self.embed)                                       # [T, dim]
         if c.embed_scale:
             x = x * c.embed_scale
@@ -235,8 +246,11 @@ class Llama:
                 o = F.rms_norm(o, (c.dim,), ly.post_attn_norm, c.norm_eps)
             x = x + o
             h = F.rms_norm(x, (c.dim,), ly.ffn_norm, c.norm_eps)
-            g, u = lin(ly.wgu, h).chunk(2, dim=-1)                   # [T, ffn] each
-            o = lin(ly.wd, self.act(g) * u)
+            if ly.moe is not None:
+                o = ly.moe(h, mm)                                    # only the chosen experts
+            else:
+                g, u = lin(ly.wgu, h).chunk(2, dim=-1)               # [T, ffn] each
+                o = lin(ly.wd, self.act(g) * u)
             if ly.post_ffn_norm is not None:
                 o = F.rms_norm(o, (c.dim,), ly.post_ffn_norm, c.norm_eps)
             x = x + o

@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from procs.inference.archs import ModelLoadError, hf_rope, llama3_factors  # noqa: E402
+from procs.inference.archs import ModelLoadError, gguf_rope, hf_rope, llama3_factors  # noqa: E402
 from procs.inference.loader import fingerprint, load  # noqa: E402
 from procs.inference.model import KVSession, Llama  # noqa: E402
 
@@ -39,6 +39,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_h
 # llama3 regime (kept, interpolated, divided), so the scaling matters at every position.
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# YaRN stretching 32 trained positions to MAX_POS: with theta 10000 and D=16 the ramp runs over
+# dims 0..2, so one frequency is kept, one blended, six divided by 4, and positions 32+ (most
+# of the prompt and all the greedy tokens) lie past the original context
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 
 CASES = {   # name: (transformers config class, its arguments, GGUF architecture)
     "llama": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False), "llama"),
@@ -50,6 +54,11 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
     "qwen3": ("Qwen3Config", dict(rope_theta=1e6, tie_word_embeddings=False, head_dim=32), "qwen3"),
     # a window of 8 over a 40-token prompt, five sliding layers and a global one (pattern 6), two RoPE
     # bases, (1 + w) norms, GeGLU, scaled embeddings; query_pre_attn_scalar as llama.cpp assumes it
+    # Qwen3 attention, four SiLU experts per layer, two chosen per token and renormalized
+    "qwen3moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=48, norm_topk_prob=True, rope_theta=1e6,
+                                        tie_word_embeddings=False), "qwen3moe"),
+    "yarn": ("Qwen2Config", dict(rope_parameters=YARN, tie_word_embeddings=True), "qwen2"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -118,10 +127,28 @@ def _write_gguf(m, path: str, arch: str) -> None:
     gemma = arch == "gemma3"
     if gemma:   # what llama.cpp's converter writes; it reads the pattern (6) and local base itself
         w.add_sliding_window(c.sliding_window)
+    if rp.get("rope_type") == "yarn":   # what convert_hf_to_gguf writes for a yarn config
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        for key, add in (("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rp.get(key) is not None:
+                add(rp[key])
+    state = m.state_dict()
+    if arch == "qwen3moe":   # the converter's stacked experts: [E, rows, cols], gate and up apart
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}.mlp.experts."
+            state[p + "gate_proj.weight"], state[p + "up_proj.weight"] = state.pop(p + "gate_up_proj").chunk(2, dim=1)
+            state[p + "down_proj.weight"] = state.pop(p + "down_proj")
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     if rp.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llamacpp_rope_freqs(rp, head_dim))
-    for hf_name, t in m.state_dict().items():
+    for hf_name, t in state.items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         a = t.numpy().astype(np.float32)
@@ -203,13 +230,15 @@ def test_parity_with_transformers(case):
     assert gtoks == ref_toks
     assert len(set(ref_toks)) > 3, "a degenerate continuation would test little"
     # one config whichever file: GGUF stores eps and the rope divisors in f32
-    same = dict(quant_bits=16, norm_eps=model.cfg.norm_eps, rope_factors=model.cfg.rope_factors)
+    same = dict(quant_bits=16, norm_eps=model.cfg.norm_eps, rope_factors=model.cfg.rope_factors,
+                rope_attn_factor=model.cfg.rope_attn_factor)
+    assert gmodel.cfg.rope_attn_factor == pytest.approx(model.cfg.rope_attn_factor, rel=1e-6)
     assert model.cfg == dataclasses.replace(gmodel.cfg, **same)
     np.testing.assert_allclose(gmodel.cfg.rope_factors, model.cfg.rope_factors, rtol=1e-6)
     assert model.fingerprint == gmodel.fingerprint   # one model, whichever file it came from
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3"])
 def test_exact_mode_holds_with_biases_and_qk_norms(build, name):
     """Exact mode's promise (bit-identical prefill rows however a prompt is split between a
     restored prefix and the prefill) holds with the row-wise ops these architectures add."""
@@ -280,13 +309,13 @@ def test_rope_base_from_either_config_layout():
     old = {"rope_theta": 50000.0, "max_position_embeddings": 128,
            "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}}
     assert hf_rope(new, 16, "x") == hf_rope(old, 16, "x")
-    assert hf_rope({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, 16, "x") == (5e5, ())
-    assert hf_rope({"rope_theta": 5e5, "rope_scaling": None}, 16, "x") == (5e5, ())
-    assert hf_rope({}, 16, "x") == (10000.0, ())
-    theta, f = hf_rope(new, 16, "x")
+    assert hf_rope({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, 16, "x") == (5e5, (), 1.0)
+    assert hf_rope({"rope_theta": 5e5, "rope_scaling": None}, 16, "x") == (5e5, (), 1.0)
+    assert hf_rope({}, 16, "x") == (10000.0, (), 1.0)
+    theta, f, _ = hf_rope(new, 16, "x")
     assert f == llama3_factors(50000.0, 16, 8.0, 1.0, 4.0, 64)
     np.testing.assert_allclose(f, _llamacpp_rope_freqs(LLAMA3, 16), rtol=1e-6)
-    for bad in ({"rope_type": "yarn", "factor": 4.0}, {"rope_type": "dynamic", "factor": 2.0}):
+    for bad in ({"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope", "factor": 2.0}):
         with pytest.raises(ModelLoadError):
             hf_rope({"rope_parameters": bad}, 16, "x")
 
