@@ -33,9 +33,12 @@ class Settings:
     threads: int = opt(0, "torch CPU threads (0 = torch default)", ("generate", "inference"))
     ctx_size: int = opt(0, "context size in tokens (0 = the model's trained context, as far as its K/V fits in a "
                         "quarter of the memory; above the trained context works, with a warning)", ("generate", "renderer", "inference", "web"))
-    decode_weights: str = opt("packed", "what decode reads on the CPU: packed weight-only copies (int4 for 4-bit "
-                              "sources, exact; int8 for other quantized ones) with bf16 activations, or "
-                              "the dense weights", ("generate", "inference"), ("packed", "dense"))
+    decode_weights: str = opt("packed", "what decode reads on the CPU: packed copies (int4 groups for 4-bit sources, "
+                              "their own levels; int8 groups of 32 for other quantized ones), or the dense weights",
+                              ("generate", "inference"), ("packed", "dense"))
+    decode_kernels: str = opt("native", "decode on the CPU: a whole step in C kernels built once with this machine's "
+                              "gcc (cached under ~/.cache/ricordo/kernels; torch's ops when they cannot be built), "
+                              "or torch's ops", ("generate", "inference"), ("native", "torch"))
     chunk_size: int = opt(512, "prefill chunk size; chunks end at absolute multiples of it", ("generate", "inference"))
     deterministic: bool = opt(False, "answers independent of what was cached: every prefill runs as whole "
                               "chunks and an answer's rows are prefilled again after it is sent (slower short prefills)",

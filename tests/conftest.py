@@ -58,7 +58,9 @@ def _load_model(path: str, dtype_name: str, packed: bool = True):
     from procs.inference.loader import load
     from procs.inference.model import Llama
     from procs.inference.runtime import DTYPES
-    return Llama(load(path, DTYPES[dtype_name], "cpu"), MAX_CONTEXT, packed=packed)
+    from procs.inference import native
+    # the decode kernels the server runs (native.load builds them once and caches the build)
+    return Llama(load(path, DTYPES[dtype_name], "cpu"), MAX_CONTEXT, packed=packed, kernels=native.load())
 
 
 def dense_twin(model):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from procs.inference.loader import LoadedWeights, ModelConfig
 from procs.inference.moe import MoE
+from procs.inference.native import pack
 
 
 # Decode (a few rows) is bound by weight bytes read: it reads weight-only packed copies, 4-bit
@@ -39,9 +40,16 @@ class Linear:
     take bf16 activations, whatever the compute dtype: decode rows are bf16-rounded at the
     linears (prefill rows are not; the server never compares the two)."""
 
-    def __init__(self, w: torch.Tensor, parts=None, int8: bool = False, packed: bool = True):
+    def __init__(self, w: torch.Tensor, parts=None, int8: bool = False, packed: bool = True,
+                 native: bool = False):
+        """native: the copy is the native decoder's (procs/inference/native.pack: int4 or int8
+        groups, or the dense weight itself when not packed) and torch's packed kernels are
+        not used: a call of a few rows then takes the dense weight."""
         self.w = w
-        self.packed, self.kind = None, ""
+        self.packed, self.kind, self.mat = None, "", None
+        if native:
+            self.mat = pack(w, parts if packed else None, int8 and packed)
+            return
         if not packed or w.device.type != "cpu":
             return
         if parts is not None and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
@@ -66,13 +74,14 @@ class Linear:
         return F.linear(x, self.w)
 
 
-def _fuse(names, t, q4, q8, packed: bool) -> Linear:
+def _fuse(names, t, q4, q8, packed: bool, native: bool) -> Linear:
     """Weights concatenated along the output dim: int4 when every part has 4-bit parts, int8
     when every part is quantized (a 4-bit part requantized with the rest), else dense."""
     w = torch.cat([t[n] for n in names]).contiguous()
     if all(n in q4 for n in names):
-        return Linear(w, tuple(torch.cat(xs) for xs in zip(*(q4[n] for n in names))), packed=packed)
-    return Linear(w, int8=all(n in q4 or n in q8 for n in names), packed=packed)
+        return Linear(w, tuple(torch.cat(xs) for xs in zip(*(q4[n] for n in names))), packed=packed,
+                      native=native)
+    return Linear(w, int8=all(n in q4 or n in q8 for n in names), packed=packed, native=native)
 
 
 class Layer(NamedTuple):
@@ -92,9 +101,11 @@ class Layer(NamedTuple):
 
 
 class Llama:
-    def __init__(self, w: LoadedWeights, max_context: int, packed: bool = True):
-        """packed: decode reads the packed weight copies (Linear); False keeps every decode
-        row on the dense weights (the prefill's kernels at one row)."""
+    def __init__(self, w: LoadedWeights, max_context: int, packed: bool = True, kernels=None):
+        """packed: decode reads the packed weight copies; False keeps every decode row on the
+        dense weights. kernels: procs/inference/native.Kernels; a model they take decodes in
+        one native call per token (native.Decoder), another uses their attention kernel
+        where it takes the head layout. None: torch's ops only."""
         c = self.cfg = w.config
         t = w.tensors
         self.fingerprint = w.fingerprint
@@ -102,20 +113,27 @@ class Llama:
         self.lm_head = t.get("lm_head", self.embed)                # tied when absent
         self.norm = t["norm"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
+        fits = kernels is not None and kernels.attention.takes(c.n_heads // c.n_kv_heads, c.head_dim) \
+            and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu"
+        self.attend = kernels.attention if fits else _decode_attention
+        native = kernels is not None and kernels.takes(self)
         self.layers = []
         q4, q8 = w.q4 or {}, w.q8
-        # the output projection, the largest matrix, reads its int4 copy in decode when the
-        # source is 4-bit; int8 gains over a bf16 torch.mv nothing (13.4 vs 13.5 ms for Gemma's
-        # 262144 x 640, 2 cores) but halves an f32 one (24 ms), so only f32 takes it
         head = "lm_head" if "lm_head" in t else "embed"
+        # the output projection, the largest matrix: the native decoder reads it as int4 or
+        # int8 groups when its source is quantized; torch's int8 kernel gains over a bf16
+        # torch.mv nothing (13.4 vs 13.5 ms for Gemma's 262144 x 640, 2 cores) but halves an
+        # f32 one (24 ms), so on torch's path only f32 takes it
+        self.head_mat = pack(self.lm_head, q4.get(head) if packed else None, packed and head in q8) \
+            if native else None
         int8_head = head in q8 and self.dtype == torch.float32
         self.head = Linear(self.lm_head, q4.get(head), int8=int8_head, packed=packed) \
-            if head in q4 or int8_head else None
+            if not native and (head in q4 or int8_head) else None
         for i in range(c.n_layers):
             p = f"layers.{i}."
 
             def fused(*names):
-                return _fuse([p + n for n in names], t, q4, q8, packed)
+                return _fuse([p + n for n in names], t, q4, q8, packed, native)
             bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
             qkn = None
             if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
@@ -148,6 +166,7 @@ class Llama:
         if c.rope_theta_local:
             self.rope.append(self._rotary(c.rope_theta_local, (), max_context))
         self.max_context = max_context
+        self.decoder = kernels.decoder(self) if native else None
 
     def _rotary(self, theta: float, factors, max_context: int, attn_factor: float = 1.0):
         c = self.cfg
@@ -182,6 +201,9 @@ class Llama:
         c = self.cfg
         T, S = ids.shape[0], pos + ids.shape[0]
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        if T == 1 and not pad_to and self.decoder is not None:
+            out = self.decoder(ids, pos, kc, vc)                               # [1, V]
+            return out if rows == [0] else out[rows]
         if pad_to and T > pad_to:
             raise ValueError(f"{T} rows exceed the exact-mode block of {pad_to}")
 
@@ -228,7 +250,7 @@ class Llama:
             vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
             ks, mask = keys(ly.window)
             if T == 1 and not pad_to and self.device.type == "cpu":
-                att = _decode_attention(q[0], kc[li, :, ks:S], vc[li, :, ks:S], self.scale)  # [1, H*D]
+                att = self.attend(q[0], kc[li, :, ks:S], vc[li, :, ks:S], self.scale)  # [1, H*D]
             else:
                 qh = q.transpose(0, 1).unsqueeze(0)                            # [1, H, T, D]
                 if pad_to:

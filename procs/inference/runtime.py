@@ -8,6 +8,7 @@ import torch
 
 from common.config import Settings
 from common.models import context_size, resolve
+from procs.inference import native
 from procs.inference.loader import load
 from procs.inference.model import Llama
 
@@ -55,5 +56,6 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     path = resolve(s.model, s.models_path())
     w = load(path, dtype, device)
     ctx = context_size(path, s.ctx_size)
-    model = Llama(w, max(ctx, 1), packed=s.decode_weights == "packed")
+    kernels = native.load() if s.decode_kernels == "native" and device == "cpu" else None
+    model = Llama(w, max(ctx, 1), packed=s.decode_weights == "packed", kernels=kernels)
     return model, ctx, time.perf_counter() - t0

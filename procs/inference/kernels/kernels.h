@@ -1,0 +1,43 @@
+/* What the native decode kernels share: the weight matrix a decode step reads, and the
+ * entry points of each source file (built together into one library by native.py). */
+#ifndef RICORDO_KERNELS_H
+#define RICORDO_KERNELS_H
+#include <stdint.h>
+
+/* Matrix kinds. Rows are the output dim (n), each row k values; quantized rows are groups of
+ * GROUP values with their own f16 scale (int4 also an f16 min: w = q * scale + min). */
+enum { MAT_F32 = 0, MAT_BF16 = 1, MAT_Q4 = 2, MAT_Q8 = 3 };
+#define GROUP 32
+
+typedef struct {
+    int32_t kind, n, k, pad;
+    /* F32/BF16: [n][k]. Q4: uint8 [n][k/2], group g's byte j holds value j (low nibble) and
+     * value j + 16 (high nibble). Q8: int8 [n][k]. */
+    const void *w;
+    /* Q4: f16 [n][k/GROUP][2] (scale, min); Q8: f16 [n][k/GROUP] (scale); else unused */
+    const uint16_t *s;
+} Mat;
+
+/* y[n] = W x for x [k] f32; xs: per-group sums of x (Q4 only, k/GROUP of them). Rows are
+ * split across threads statically and each row is summed in one fixed order: the result does
+ * not depend on the thread count. */
+void mat_vec(const Mat *m, const float *x, const float *xs, float *y);
+void group_sums(const float *x, int k, float *xs);
+
+int decode_attention(const float *q, const void *k, const void *v, long head_stride, int KV, int G,
+                     int D, int S, float scale, int bf16, float *out, float *scratch);
+long decode_attention_scratch(int KV, int G, int D, int S);
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+/* round to nearest even, as torch's .to(torch.bfloat16) (finite values) */
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
+}
+#endif

@@ -1,0 +1,286 @@
+"""Native CPU kernels for decode: C compiled here with the machine's gcc, once per source,
+flags and CPU, cached on disk, loaded with ctypes.
+
+- DecodeAttention: one query row against the K/V cache at memory bandwidth (torch's bf16
+  batched matmul for a few rows reads it at a third of that; kernels/attention.c).
+- Decoder: a whole decode step (every layer and the output projection) in one call, on the
+  weights in their packed form (kernels/decode.c, kernels/gemv.c): a torch step is ~1,000
+  small ops whose dispatch costs as much as the weight reads on a small model.
+
+Built with -march=native, so the cache key includes the CPU's flags; a build that fails (no
+compiler) leaves decode on torch's kernels with one warning, never a failed start.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from common.config import _default_cache_root
+
+log = logging.getLogger("ricordo.native")
+
+DIR = Path(__file__).with_name("kernels")
+SOURCES = ("attention.c", "gemv.c", "decode.c")
+# -fassociative-math (with what it requires) lets the dot products and sums vectorize; a build
+# is still one fixed instruction sequence, so its results are deterministic.
+# RICORDO_KERNEL_MARCH picks another target (haswell: the AVX2 paths on an AVX-512 machine;
+# x86-64: the portable ones), for tests of the paths this CPU would not take.
+MARCH = os.environ.get("RICORDO_KERNEL_MARCH", "native")
+FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+         "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
+CC = os.environ.get("CC", "gcc")
+GROUP = 32                                          # kernels.h GROUP
+MAT_F32, MAT_BF16, MAT_Q4, MAT_Q8 = range(4)       # kernels.h Mat kinds
+ACTS = {"silu": 0, "gelu_tanh": 1}                  # decode.c ACT_*
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(cache_dir: Path) -> Path:
+    src = b"".join((DIR / n).read_bytes() for n in (*SOURCES, "kernels.h"))
+    key = hashlib.sha1(src + " ".join([CC, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    out = cache_dir / f"kernels-{key}.so"
+    if out.exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # built beside its final name and renamed: a concurrent start never loads half a file
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([CC, *FLAGS, "-o", tmp, *(str(DIR / n) for n in SOURCES), "-lm"],
+                       check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+# ------------------------------------------------------------------ the C structs (kernels.h, decode.c)
+
+class Mat(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("pad", ctypes.c_int32),
+                ("w", ctypes.c_void_p), ("s", ctypes.c_void_p)]
+
+
+class LayerW(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("attn_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm",
+                                               "ffn_norm", "post_ffn_norm")] + \
+               [(n, Mat) for n in ("qkv", "wo", "gu", "down")] + \
+               [("window", ctypes.c_int32), ("rope", ctypes.c_int32)]
+
+
+class ModelW(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("n_layers", "dim", "H", "KV", "D", "ffn", "act", "kv_bf16",
+                                              "rope_bf16", "pad")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2),
+                ("layers", ctypes.POINTER(LayerW)), ("norm", ctypes.c_void_p), ("head", Mat)]
+
+
+class Packed(NamedTuple):
+    """A weight as decode.c reads it: kind, the tensors holding it (kept alive here)."""
+    kind: int
+    w: torch.Tensor
+    s: torch.Tensor | None
+
+    def mat(self) -> Mat:
+        n, k = self.w.shape[0], self.w.shape[1] * (2 if self.kind == MAT_Q4 else 1)
+        return Mat(self.kind, n, k, 0, self.w.data_ptr(), 0 if self.s is None else self.s.data_ptr())
+
+
+def pack(w: torch.Tensor, parts=None, int8: bool = False) -> Packed:
+    """w [N, K] (the dense weight, compute dtype) as decode reads it: int4 groups from a 4-bit
+    source's parts (q uint8 [N, K], scale and min f32 [N, K/32]: its own levels; scale and min
+    rounded to f16), int8 groups of 32 with an f16 scale when int8 (a requantization of w), else
+    w itself (bf16 or f32, no copy)."""
+    n, k = w.shape
+    if parts is not None and k % GROUP == 0:
+        q, scale, mn = parts
+        g = q.to(torch.uint8).view(n, k // GROUP, 2, 16)
+        qs = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        sm = torch.stack([scale, mn], dim=-1).to(torch.float16)
+        if torch.isfinite(sm).all():
+            return Packed(MAT_Q4, qs, sm.contiguous())
+    if int8 and k % GROUP == 0:
+        wg = w.float().view(n, k // GROUP, GROUP)
+        s = (wg.abs().amax(dim=-1) / 127).to(torch.float16)
+        sf = s.float().unsqueeze(-1)
+        q = torch.where(sf > 0, wg / torch.where(sf > 0, sf, 1.0), 0.0).round_().clamp_(-127, 127)
+        if torch.isfinite(s).all():
+            return Packed(MAT_Q8, q.to(torch.int8).view(n, k).contiguous(), s.contiguous())
+    w = w.contiguous()
+    return Packed(MAT_BF16 if w.dtype == torch.bfloat16 else MAT_F32, w, None)
+
+
+# ------------------------------------------------------------------ the kernels
+
+class DecodeAttention:
+    """q [H, D] against k, v [KV, S, D] (views of the cache: rows contiguous, heads strided)
+    -> [1, H*D] in q's dtype. The same contract as model._decode_attention."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.fn = lib.decode_attention
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_int] * 4 + \
+            [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        self.size = lib.decode_attention_scratch
+        self.size.restype = ctypes.c_long
+        self.size.argtypes = [ctypes.c_int] * 4
+        self.scratch = torch.empty(0)
+
+    @staticmethod
+    def takes(G: int, D: int) -> bool:
+        return 1 <= G <= 16 and 1 <= D <= 256     # attention.c MAXG, MAXD
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        H, D = q.shape
+        KV, S = k.shape[0], k.shape[1]
+        if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(2) != 1 or k.stride(1) != D \
+                or v.stride() != k.stride() or v.dtype != k.dtype:
+            raise ValueError("native decode attention needs bf16/f32 K/V with contiguous rows")
+        need = self.size(KV, H // KV, D, S)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need * 2)    # grows geometrically with the context
+        qf = q.float().contiguous()
+        out = torch.empty(H * D)
+        rc = self.fn(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), KV, H // KV, D, S,
+                     scale, int(k.dtype == torch.bfloat16), out.data_ptr(), self.scratch.data_ptr())
+        if rc:
+            raise ValueError(f"native decode attention does not take G={H // KV}, D={D}")
+        return out.to(q.dtype).view(1, H * D)
+
+
+class Decoder:
+    """model.forward for one token at position pos, in one C call: ids [1], the session's
+    caches [layers, KV, cap, D] -> float32 logits [1, V]. Built by Kernels.decoder for a model
+    whose every Linear carries a Packed (model.Linear with native=True)."""
+
+    def __init__(self, lib: ctypes.CDLL, model):
+        c = model.cfg
+        self.model = model
+        self.fn = lib.decode_step
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self.size = lib.decode_step_scratch
+        self.size.restype = ctypes.c_long
+        self.size.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        keep = self._keep = []              # f32 copies the structs point into
+
+        def f32(t):
+            if t is None:
+                return None
+            t = t.float().contiguous()
+            keep.append(t)
+            return t.data_ptr()
+        layers = (LayerW * c.n_layers)()
+        for ly, lw in zip(model.layers, layers):
+            qn = kn = None
+            if ly.qk_norm is not None:          # [H+KV, D]: one row per head, q's then k's
+                qn, kn = ly.qk_norm[0], ly.qk_norm[c.n_heads]
+            for name, t in (("attn_norm", ly.attn_norm), ("bqkv", ly.bqkv), ("q_norm", qn), ("k_norm", kn),
+                            ("post_attn_norm", ly.post_attn_norm), ("ffn_norm", ly.ffn_norm),
+                            ("post_ffn_norm", ly.post_ffn_norm)):
+                setattr(lw, name, f32(t))
+            for name, lin in (("qkv", ly.wqkv), ("wo", ly.wo), ("gu", ly.wgu), ("down", ly.wd)):
+                setattr(lw, name, lin.mat.mat())
+            lw.window, lw.rope = ly.window, ly.rope
+        self._layers = layers
+        ropes = [(cos.contiguous(), sin.contiguous()) for cos, sin in model.rope]
+        keep.extend(t for pair in ropes for t in pair)
+        m = self.m = ModelW(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, ACTS[c.act],
+                            int(model.dtype == torch.bfloat16), int(model.dtype == torch.bfloat16), 0,
+                            c.norm_eps, model.scale)
+        for i, (cos, sin) in enumerate(ropes + ropes[:1] * (2 - len(ropes))):
+            m.cos[i], m.sin[i] = cos.data_ptr(), sin.data_ptr()
+        m.layers = layers
+        m.norm = f32(model.norm)
+        m.head = model.head_mat.mat()
+        self.vocab = model.head_mat.w.shape[0]
+        self.scratch = torch.empty(0)
+
+    def __call__(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        if not (kc.is_contiguous() and vc.is_contiguous() and kc.stride() == vc.stride()
+                and kc.dtype == vc.dtype == model.dtype):
+            raise ValueError("native decode needs contiguous caches in the compute dtype")
+        x = model.embed[int(ids[0])]
+        if model.cfg.embed_scale:
+            x = x * model.cfg.embed_scale           # in the compute dtype, as forward() scales it
+        x = x.to(torch.float32, copy=True)          # decode_step overwrites it: never the table's row
+        need = self.size(ctypes.byref(self.m), pos + 1)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need + need // 2)
+        logits = torch.empty(self.vocab)
+        if self.fn(ctypes.byref(self.m), x.data_ptr(), pos, kc.data_ptr(), vc.data_ptr(), kc.stride(0),
+                   kc.stride(1), logits.data_ptr(), self.scratch.data_ptr()):
+            raise ValueError("native decode does not take this model's shapes")
+        return logits.unsqueeze(0)
+
+
+class Kernels:
+    """The built library: attention for torch's decode path, decoder() for the whole step."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        self.attention = DecodeAttention(lib)
+        one = lib.mat_vec_one
+        one.restype = None
+        one.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 3
+        self._mat_vec = one
+
+    def mat_vec(self, p: Packed, x: torch.Tensor) -> torch.Tensor:
+        """y = W x for one Packed weight (tests and benches of the packing)."""
+        m = p.mat()
+        xf = x.float().contiguous()
+        y = torch.empty(m.n)
+        xs = torch.empty(m.k // GROUP + 1)
+        self._mat_vec(ctypes.byref(m), xf.data_ptr(), y.data_ptr(), xs.data_ptr())
+        return y
+
+    @staticmethod
+    def takes(model) -> bool:
+        c = model.cfg
+        return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32)
+                and not c.n_experts and c.head_dim <= 256 and c.n_heads % c.n_kv_heads == 0
+                and DecodeAttention.takes(c.n_heads // c.n_kv_heads, c.head_dim))
+
+    def decoder(self, model) -> Decoder | None:
+        return Decoder(self.lib, model) if self.takes(model) else None
+
+
+@functools.lru_cache(maxsize=None)
+def load(cache_root: str = "") -> Kernels | None:
+    """The kernels, built if needed; None (with a warning) when they cannot be built or
+    loaded. Must be called after torch is imported: the library links libgomp.so.1, which
+    then resolves to torch's own OpenMP runtime (one thread pool, torch.set_num_threads)."""
+    cache_dir = Path(cache_root or _default_cache_root()) / "kernels"
+    try:
+        lib = ctypes.CDLL(str(_build(cache_dir)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("native decode kernels unavailable (%s); decode uses torch's kernels",
+                    detail.strip().splitlines()[-1] if detail.strip() else e)
+        return None
+    return Kernels(lib)
+
+
+def decode_attention(cache_root: str = "") -> DecodeAttention | None:
+    k = load(cache_root)
+    return None if k is None else k.attention
