@@ -157,6 +157,11 @@ class Llama:
                 window,
                 1 if window and c.rope_theta_local else 0,     # which rotary table
             ))
+            # the layer's sources are fused copies now: dropped as we go, so a load peaks at
+            # one copy of the weights plus one layer, not two copies
+            for name in [n for n in t if n.startswith(p)]:
+                del t[name]
+                q4.pop(name, None)
         del w.tensors, w.q4
         self.act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[c.act]
         self.scale = c.attn_scale or c.head_dim ** -0.5

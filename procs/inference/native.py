@@ -118,12 +118,16 @@ def pack(w: torch.Tensor, parts=None, int8: bool = False) -> Packed:
         if torch.isfinite(sm).all():
             return Packed(MAT_Q4, qs, sm.contiguous())
     if int8 and k % GROUP == 0:
-        wg = w.float().view(n, k // GROUP, GROUP)
-        s = (wg.abs().amax(dim=-1) / 127).to(torch.float16)
-        sf = s.float().unsqueeze(-1)
-        q = torch.where(sf > 0, wg / torch.where(sf > 0, sf, 1.0), 0.0).round_().clamp_(-127, 127)
+        q = torch.empty(n, k, dtype=torch.int8)
+        s = torch.empty(n, k // GROUP, dtype=torch.float16)
+        for a in range(0, n, 8192):          # in row blocks: transients of a block, not of w
+            wg = w[a:a + 8192].to(torch.float32, copy=True).view(-1, k // GROUP, GROUP)   # divided in place
+            sb = (wg.abs().amax(dim=-1) / 127).to(torch.float16)
+            sf = sb.float().unsqueeze(-1)
+            q[a:a + 8192] = wg.div_(torch.where(sf > 0, sf, 1.0)).round_().clamp_(-127, 127).view(-1, k)
+            s[a:a + 8192] = sb
         if torch.isfinite(s).all():
-            return Packed(MAT_Q8, q.to(torch.int8).view(n, k).contiguous(), s.contiguous())
+            return Packed(MAT_Q8, q, s)
     w = w.contiguous()
     return Packed(MAT_BF16 if w.dtype == torch.bfloat16 else MAT_F32, w, None)
 

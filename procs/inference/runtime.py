@@ -46,6 +46,17 @@ def describe() -> str:
     return f"ricordo compute dtype: {picked} on {device} (RICORDO_DTYPE={dtype}; f32 or bf16 choose)"
 
 
+def _trim_heap() -> None:
+    """Give the load's freed transients (f32 dequantized tensors, the unfused weights) back
+    to the system: glibc keeps them in the heap otherwise (977 -> 594 MB resident for the
+    default model)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def build(s: Settings) -> tuple[Llama, int, float]:
     """(model, context size, load seconds)."""
     if s.threads > 0:
@@ -58,4 +69,6 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     ctx = context_size(path, s.ctx_size)
     kernels = native.load() if s.decode_kernels == "native" and device == "cpu" else None
     model = Llama(w, max(ctx, 1), packed=s.decode_weights == "packed", kernels=kernels)
+    del w
+    _trim_heap()
     return model, ctx, time.perf_counter() - t0

@@ -100,6 +100,7 @@ def test_mat_vec_each_kind(n, k):
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(k, generator=g)
     w = torch.randn(n, k, generator=g)
+    w0 = w.clone()
     for dtype, kind in ((torch.float32, native.MAT_F32), (torch.bfloat16, native.MAT_BF16)):
         p = native.pack(w.to(dtype))
         assert p.kind == kind and p.w.data_ptr() == p.w.data_ptr()
@@ -121,6 +122,7 @@ def test_mat_vec_each_kind(n, k):
     bound = (step.repeat_interleave(32, 1) * 0.5 * x.abs()).sum(1) * 1.01 + 1e-3
     err = (kernels.mat_vec(p, x) - w @ x).abs()
     assert (err <= bound).all() and err.max() > 0                       # requantized, not the f32 weight
+    assert torch.equal(w, w0)                                           # the dense weight is left as it was
 
 
 # ------------------------------------------------------------------ the whole step, real model
