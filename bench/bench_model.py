@@ -271,6 +271,46 @@ def extra_bufts_work(path: str, threads: int) -> bool:
     return r.returncode == 0
 
 
+# each prints its VmHWM (the peak of its own memory map: ru_maxrss would carry the parent's
+# peak over fork and exec)
+RSS_CHILD = {
+    "ricordo": ("import sys, random; sys.path.insert(0, sys.argv[5]); "
+                "from common.config import Settings; from procs.inference.runtime import build; "
+                "from procs.inference.model import KVSession; "
+                "m, ctx, _ = build(Settings.load('inference', ['--model', sys.argv[1], '--ctx-size', sys.argv[2], "
+                "'--threads', sys.argv[3], '--dtype', sys.argv[6]])); r = random.Random(0); "
+                "s = KVSession(m, ctx, 512); s.prefill([r.randrange(100, 40000) for _ in range(int(sys.argv[4]))]); "
+                "[s.decode(r.randrange(100, 40000)) for _ in range(16)]; "
+                "print(next(int(ln.split()[1]) for ln in open('/proc/self/status') if ln.startswith('VmHWM')) / 1024)"),
+    "llama.cpp": ("import sys, random; from llama_cpp import Llama; "
+                  "m = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]), "
+                  "n_batch=512, verbose=False); r = random.Random(0); "
+                  "m.eval([r.randrange(100, 40000) for _ in range(int(sys.argv[4]))]); "
+                  "[m.eval([r.randrange(100, 40000)]) for _ in range(16)]; "
+                  "print(next(int(ln.split()[1]) for ln in open('/proc/self/status') if ln.startswith('VmHWM')) / 1024)"),
+}
+
+
+def peak_rss_children(path: str, ctx: int, prompt: int, threads: int, dtype: str, peer: bool) -> dict:
+    """Peak RSS (MiB) of a fresh process that loads the model with a context of ctx tokens,
+    prefills prompt tokens and decodes 16: ricordo's inference and, when peer, llama.cpp's,
+    each alone (a shared process would report the larger of the two)."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {"context": ctx, "prompt": prompt}
+    for name, code in RSS_CHILD.items():
+        if name == "llama.cpp" and not peer:
+            continue
+        r = subprocess.run([sys.executable, "-c", code, path, str(ctx), str(threads), str(prompt), root, dtype],
+                           capture_output=True, text=True, timeout=1800)
+        if r.returncode == 0:
+            out[name] = float(r.stdout.strip().splitlines()[-1])
+            log(f"  peak RSS, {name} alone (context {ctx}, {prompt}-token prompt): {out[name]:.0f} MiB")
+        else:
+            log(f"  peak RSS, {name}: the child failed: {r.stderr.strip().splitlines()[-1:]}")
+    return out
+
+
 def measure_llama_cpp(path: str, sizes, dctx, steps: int, threads: int, reps: int, rng) -> dict | None:
     """llama.cpp on the same GGUF, same threads, same prompt lengths, in this run (through
     llama-cpp-python, built for this CPU by pip); None when it is not installed."""
@@ -434,6 +474,11 @@ def run(args) -> dict:
                                      res["matmul_end"]["2048x576x1536"]["gflops"])
         for p in res["prefill"].values():
             p["roofline_frac"] = p["gflops"] / res["roofline_gflops"]
+    if args.rss_context:
+        log("peak RSS in fresh processes")
+        res["rss_children"] = peak_rss_children(resolve(s.model, s.models_path()), args.rss_context,
+                                                args.rss_prompt, torch.get_num_threads(), args.dtype,
+                                                not args.no_llama_cpp and "llama_cpp" in res)
     cur, peak = rss_mb()
     res["rss_mb"], res["peak_rss_mb"] = cur, peak
     res["machine"]["loadavg_end"] = os.getloadavg()[0]
@@ -463,12 +508,20 @@ def table(res: dict) -> str:
         ref = res.get("llama_cpp", {}).get("load_s")
         add("load (s, lower is better)", res["load_s"], ref, "{:.2f}", ratio=res["load_s"] / ref if ref else None)
     for n, p in sorted(res["prefill"].items()):
-        add(f"prefill {n} (tok/s)", p["tok_s"], p.get("llama_cpp_tok_s"), target=">= 1.00x" if "ratio" in p else None,
+        add(f"prefill {n} (tok/s)", p["tok_s"], p.get("llama_cpp_tok_s"),
+            target=f">= {PREFILL_TARGET:.2f}x" if "ratio" in p else None,
             met=p.get("target_met"), ratio=p.get("ratio"), wait=p["wait"])
     for n, d in sorted(res["decode"].items()):
-        add(f"decode @{n} (tok/s)", d["tok_s"], d.get("llama_cpp_tok_s"), target=">= 0.70x" if "ratio" in d else None,
+        add(f"decode @{n} (tok/s)", d["tok_s"], d.get("llama_cpp_tok_s"),
+            target=f">= {DECODE_TARGET:.2f}x" if "ratio" in d else None,
             met=d.get("target_met"), ratio=d.get("ratio"), wait=d["wait"])
-    add("peak RSS (MiB)", res["peak_rss_mb"], fmt="{:.0f}")
+    rc = res.get("rss_children")
+    if rc and "ricordo" in rc:
+        ref = rc.get("llama.cpp")
+        add(f"peak RSS, own process, context {rc['context']} (MiB, lower is better)", rc["ricordo"], ref,
+            fmt="{:.0f}", target="<= 1.50x" if ref else None, met=rc["ricordo"] / ref <= 1.5 if ref else None,
+            ratio=rc["ricordo"] / ref if ref else None)
+    add("peak RSS of this bench (MiB)", res["peak_rss_mb"], fmt="{:.0f}")
     out = _grid(rows)
 
     if "roofline_gflops" in res:
@@ -534,6 +587,9 @@ def main(argv=None) -> int:
                     help="also time prefill at these chunk sizes, interleaved (e.g. 256 512 1024)")
     ap.add_argument("--chunk-sweep-sizes", type=int, nargs="*", default=[2048],
                     help="prompt lengths for --chunk-sweep")
+    ap.add_argument("--rss-context", type=int, default=8192,
+                    help="peak RSS of each server alone at this context, in fresh processes (0: skip)")
+    ap.add_argument("--rss-prompt", type=int, default=2048, help="prompt prefilled in the peak RSS runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="1 load, 1 repeat, 512/2048 only, 16 decode steps")
     ap.add_argument("--json", action="store_true", help="JSON to stdout, table to stderr")
