@@ -149,7 +149,7 @@ def linear_params(model: Llama) -> tuple[int, int]:
     per = 0
     for ly in model.layers:
         per += sum(lin.w.numel() for lin in (ly.wqkv, ly.wo, ly.wgu, ly.wd))
-    return per, model.lm_head.numel()
+    return per, model.cfg.vocab_size * model.cfg.dim
 
 
 def prefill_flops(model: Llama, n: int, start: int = 0) -> float:

@@ -123,5 +123,15 @@ class GGUFFile:
         t = self.tensors[name]
         return np.frombuffer(self.mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's resident set (they are clean file
+        pages: a later read maps them again), so a load's RSS holds what it built, not the file."""
+        t = self.tensors[name]
+        page = mmap.PAGESIZE
+        a = -(-t.offset // page) * page
+        b = (t.offset + t.nbytes) // page * page
+        if b > a and hasattr(self.mm, "madvise"):
+            self.mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+
     def arch(self) -> str:
         return str(self.meta.get("general.architecture", ""))

@@ -69,6 +69,8 @@ class LoadedWeights:
     # with w = q * scale + min, for the decode kernels (see model.Linear)
     q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     q8: frozenset = frozenset()        # names whose source is quantized otherwise (INT8_TYPES)
+    # Q8_0 source weights as they are stored: (q int8 [N, K], scale f16 [N, K/32]), w = q * scale
+    q8_parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = None
 
 
 # ggml types read by the decode kernels as int4 groups of 32 (their own levels, scales and
@@ -247,28 +249,89 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     # rows of Q per query head, of K per key/value head, when permuted (no permuted
     # architecture has q/k biases: archs.layer_names)
     permuted = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if arch.gguf_permuted_qk else {}
-    tensors, q4, q8, norms = {}, {}, set(), {}
+    tensors, q4, q8, q8p, norms = Lazy(), Lazy(), set(), Lazy(), {}
     for gname, ours in names.items():
         if gname not in g.tensors:
             if ours == "lm_head":
                 continue
             raise ModelLoadError(f"{path}: missing tensor {gname}")
         info = g.tensors[gname]
-        w = _dequant_to(g, gname, torch.float32 if ours.endswith("norm") else dtype)   # norms: f32, fingerprinted
-        if ours.endswith("_exps") and w.shape[0] != cfg.n_experts:
-            raise ModelLoadError(f"{path}: {gname} holds {w.shape[0]} experts, not {cfg.n_experts}")
+        if ours.endswith("_exps") and info.shape[-1] != cfg.n_experts:
+            raise ModelLoadError(f"{path}: {gname} holds {info.shape[-1]} experts, not {cfg.n_experts}")
         heads = permuted.get(ours.rsplit(".", 1)[-1])
-        if heads:
-            w = _unpermute(w, heads)
+
+        def dense(gname=gname, heads=heads, to=torch.float32 if ours.endswith("norm") else dtype):
+            w = _dequant_to(g, gname, to)          # norms in f32: they are fingerprinted
+            g.release(gname)
+            return (_unpermute(w, heads) if heads else w).to(device=device)
         if ours.endswith("norm"):
-            norms[ours] = w.float()
-        tensors[ours] = w.to(device=device, dtype=dtype)
+            norms[ours] = dense()
+            tensors[ours] = norms[ours].to(dtype)
+        else:
+            tensors.later(ours, dense)
         if info.type_name in INT4_TYPES and len(info.shape) == 2:
-            parts = _q4_parts(g, gname)
-            q4[ours] = tuple(_unpermute(x, heads) for x in parts) if heads else parts
+            def parts(gname=gname, heads=heads):
+                x = _q4_parts(g, gname)
+                g.release(gname)
+                return tuple(_unpermute(t, heads) for t in x) if heads else x
+            q4.later(ours, parts)
         elif info.type_name in INT8_TYPES:
             q8.add(ours)
-    return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8))
+            if info.type_name == "Q8_0" and len(info.shape) == 2 and not heads:
+                q8p.later(ours, lambda gname=gname: _q8_parts(g, gname))
+    return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8), q8p)
+
+
+def _q8_parts(g: GGUFFile, name: str):
+    """(q int8 [N, K], scale f16 [N, K/32]) of a Q8_0 tensor: its blocks of 32 as stored."""
+    info = g.tensors[name]
+    n, k = info.shape[1], info.shape[0]
+    blocks = torch.from_numpy(g.raw(name).copy()).view(-1, 34)
+    g.release(name)
+    return (blocks[:, 2:].contiguous().view(torch.int8).view(n, k),
+            blocks[:, 0:2].contiguous().view(torch.float16).view(n, k // 32))
+
+
+class Lazy(dict):
+    """A dict whose values may be made when first read (later(name, make)): a model built
+    from a GGUF dequantizes one layer's tensors at a time and drops them once packed, so a
+    load never holds every weight dense at once. Membership and iteration see every name."""
+
+    def __init__(self):
+        super().__init__()
+        self._make = {}
+
+    def later(self, name: str, make) -> None:
+        self._make[name] = make
+        super().__setitem__(name, None)
+
+    def __getitem__(self, name):
+        make = self._make.pop(name, None)
+        if make is not None:
+            super().__setitem__(name, make())
+        return super().__getitem__(name)
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def __delitem__(self, name):
+        self._make.pop(name, None)
+        super().__delitem__(name)
+
+    def items(self):
+        return ((k, self[k]) for k in list(self.keys()))
+
+    def values(self):
+        return (self[k] for k in list(self.keys()))
+
+    def pop(self, name, *default):
+        if name not in self:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        v = self[name]
+        del self[name]
+        return v
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from procs.inference.loader import LoadedWeights, ModelConfig
 from procs.inference.moe import MoE
-from procs.inference.native import pack
+from procs.inference.native import MAT_Q4, MAT_Q8, pack
 
 
 # Decode (a few rows) is bound by weight bytes read: it reads weight-only packed copies, 4-bit
@@ -40,15 +40,23 @@ class Linear:
     take bf16 activations, whatever the compute dtype: decode rows are bf16-rounded at the
     linears (prefill rows are not; the server never compares the two)."""
 
-    def __init__(self, w: torch.Tensor, parts=None, int8: bool = False, packed: bool = True,
-                 native: bool = False):
-        """native: the copy is the native decoder's (procs/inference/native.pack: int4 or int8
-        groups, or the dense weight itself when not packed) and torch's packed kernels are
-        not used: a call of a few rows then takes the dense weight."""
-        self.w = w
+    def __init__(self, w: torch.Tensor | None, parts=None, int8: bool = False, packed: bool = True,
+                 kernels=None, dtype=None):
+        """kernels (procs/inference/native.Kernels): the copy is the native decoder's
+        (native.pack: int4 or int8 groups, or the dense weight itself when not packed), and a
+        quantized copy is the only one: prefill reads its values (w, dequantized per call
+        into a shared buffer) instead of a second, dense copy beside it; w may then be None
+        (dtype: the compute dtype)."""
+        self._w, self.kernels, self.dtype = w, kernels, dtype if w is None else w.dtype
         self.packed, self.kind, self.mat = None, "", None
-        if native:
+        if kernels is not None:
             self.mat = pack(w, parts if packed else None, int8 and packed)
+            if self.mat is None:   # parts past f16's range: the dense weight after all
+                q, scale, mn = parts
+                self._w = (q.float() * scale.repeat_interleave(32, 1) + mn.repeat_interleave(32, 1)).to(dtype)
+                self.mat = pack(self._w)
+            if self.mat.kind in (MAT_Q4, MAT_Q8):
+                self._w = None
             return
         if not packed or w.device.type != "cpu":
             return
@@ -65,6 +73,14 @@ class Linear:
             self.sz = scale
             self.kind = "int8"
 
+    @property
+    def w(self) -> torch.Tensor:
+        """The dense weight [N, K] in the compute dtype (from the packed copy: valid until the
+        next Linear's w)."""
+        if self._w is not None:
+            return self._w
+        return self.kernels.rows(self.mat, self.dtype, scratch=True)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
             xb = x.to(torch.bfloat16)
@@ -74,14 +90,26 @@ class Linear:
         return F.linear(x, self.w)
 
 
-def _fuse(names, t, q4, q8, packed: bool, native: bool) -> Linear:
+def _fuse(names, t, q4, q8, packed: bool, kernels) -> Linear:
     """Weights concatenated along the output dim: int4 when every part has 4-bit parts, int8
     when every part is quantized (a 4-bit part requantized with the rest), else dense."""
-    w = torch.cat([t[n] for n in names]).contiguous()
     if all(n in q4 for n in names):
-        return Linear(w, tuple(torch.cat(xs) for xs in zip(*(q4[n] for n in names))), packed=packed,
-                      native=native)
-    return Linear(w, int8=all(n in q4 or n in q8 for n in names), packed=packed, native=native)
+        parts = tuple(torch.cat(xs) for xs in zip(*(q4[n] for n in names)))
+        # the native copy from the parts is the only one: no dense weight to make
+        w = None if kernels is not None and packed else torch.cat([t[n] for n in names]).contiguous()
+        return Linear(w, parts, packed=packed, kernels=kernels, dtype=t["norm"].dtype)
+    w = torch.cat([t[n] for n in names]).contiguous()
+    return Linear(w, int8=all(n in q4 or n in q8 for n in names), packed=packed, kernels=kernels)
+
+
+def _pack_source(t, name: str, q4, q8, q8p, packed: bool):
+    """native.Packed for one source tensor, from its quantized parts when it has them (no
+    dense copy made), else from the dense tensor."""
+    if packed and (name in q4 or name in q8p):
+        p = pack(None, q4.get(name), q8=q8p.get(name))
+        if p is not None:
+            return p
+    return pack(t[name], None, packed and name in q8)
 
 
 class Layer(NamedTuple):
@@ -109,31 +137,21 @@ class Llama:
         c = self.cfg = w.config
         t = w.tensors
         self.fingerprint = w.fingerprint
-        self.embed = t["embed"]                                    # [V, dim]
-        self.lm_head = t.get("lm_head", self.embed)                # tied when absent
         self.norm = t["norm"]
-        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.dtype, self.device = self.norm.dtype, self.norm.device
         fits = kernels is not None and kernels.attention.takes(c.n_heads // c.n_kv_heads, c.head_dim) \
             and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu"
         self.attend = kernels.attention if fits else _decode_attention
         native = kernels is not None and kernels.takes(self)
+        self.kernels = kernels if native else None
         self.layers = []
         q4, q8 = w.q4 or {}, w.q8
-        head = "lm_head" if "lm_head" in t else "embed"
-        # the output projection, the largest matrix: the native decoder reads it as int4 or
-        # int8 groups when its source is quantized; torch's int8 kernel gains over a bf16
-        # torch.mv nothing (13.4 vs 13.5 ms for Gemma's 262144 x 640, 2 cores) but halves an
-        # f32 one (24 ms), so on torch's path only f32 takes it
-        self.head_mat = pack(self.lm_head, q4.get(head) if packed else None, packed and head in q8) \
-            if native else None
-        int8_head = head in q8 and self.dtype == torch.float32
-        self.head = Linear(self.lm_head, q4.get(head), int8=int8_head, packed=packed) \
-            if not native and (head in q4 or int8_head) else None
+        self._output_and_embedding(t, q4, q8, w.q8_parts or {}, packed, native)
         for i in range(c.n_layers):
             p = f"layers.{i}."
 
             def fused(*names):
-                return _fuse([p + n for n in names], t, q4, q8, packed, native)
+                return _fuse([p + n for n in names], t, q4, q8, packed, kernels if native else None)
             bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
             qkn = None
             if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
@@ -162,7 +180,7 @@ class Llama:
             for name in [n for n in t if n.startswith(p)]:
                 del t[name]
                 q4.pop(name, None)
-        del w.tensors, w.q4
+        del w.tensors, w.q4, w.q8_parts
         self.act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[c.act]
         self.scale = c.attn_scale or c.head_dim ** -0.5
         # rotary tables in float32, cast once: [ctx, D] (HF half-split layout); a second
@@ -172,6 +190,39 @@ class Llama:
             self.rope.append(self._rotary(c.rope_theta_local, (), max_context))
         self.max_context = max_context
         self.decoder = kernels.decoder(self) if native else None
+
+    def _output_and_embedding(self, t, q4, q8, q8p, packed: bool, native: bool) -> None:
+        """The output projection and the embedding. Native: the decoder reads the projection
+        as int4 or int8 groups when its source is quantized, and then that copy is the only
+        one: the embedding's rows come from it too when tied (embed_mat), and no dense copy
+        is made (lm_head, embed None). Torch's path: the dense copies, and a packed Linear
+        for the projection when its source is 4-bit, or quantized in f32 (torch's int8 kernel
+        gains over a bf16 torch.mv nothing, 13.4 vs 13.5 ms for Gemma's 262144 x 640, but
+        halves an f32 one)."""
+        head = "lm_head" if "lm_head" in t else "embed"
+        quantized = (MAT_Q4, MAT_Q8)
+        self.head_mat = self.embed_mat = self.head = None
+        if native:
+            self.head_mat = _pack_source(t, head, q4, q8, q8p, packed)
+            if self.head_mat.kind in quantized and head == "embed":
+                self.embed_mat = self.head_mat
+            elif packed and head != "embed" and ("embed" in q4 or "embed" in q8):
+                self.embed_mat = _pack_source(t, "embed", q4, q8, q8p, packed)
+        self.embed = t["embed"] if self.embed_mat is None else None           # [V, dim]
+        if self.head_mat is not None and self.head_mat.kind in quantized:
+            self.lm_head = None
+        else:                                                                 # tied when absent
+            self.lm_head = t["lm_head"] if head == "lm_head" else self.embed
+        int8_head = head in q8 and self.dtype == torch.float32
+        if not native and (head in q4 or int8_head):
+            self.head = Linear(self.lm_head, q4.get(head), int8=int8_head, packed=packed)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows ids [T] -> [T, dim], compute dtype (from the packed copy when
+        the dense one was dropped)."""
+        if self.embed_mat is not None:
+            return self.kernels.rows(self.embed_mat, self.dtype, ids)
+        return F.embedding(ids, self.embed)
 
     def _rotary(self, theta: float, factors, max_context: int, attn_factor: float = 1.0):
         c = self.cfg
@@ -219,7 +270,7 @@ class Llama:
 
         def lin(f: Linear, h: torch.Tensor) -> torch.Tensor:
             return mm(h, f.w) if pad_to else f(h)
-        x = F.embedding(ids, self.embed)                                       # [T, dim]
+        x = self.embed_rows(ids)                                               # [T, dim]
         if c.embed_scale:
             x = x * c.embed_scale
         ropes = [(cos[pos:S].unsqueeze(1), sin[pos:S].unsqueeze(1)) for cos, sin in self.rope]  # [T, 1, D]
@@ -281,6 +332,11 @@ class Llama:
             if ly.post_ffn_norm is not None:
                 o = F.rms_norm(o, (c.dim,), ly.post_ffn_norm, c.norm_eps)
             x = x + o
+        if self.lm_head is None:   # the packed projection, row by row (so exact mode's rows hold)
+            x = F.rms_norm(x[rows], (c.dim,), self.norm, c.norm_eps)
+            if not rows:
+                return x.new_zeros((0, self.cfg.vocab_size), dtype=torch.float32)
+            return torch.stack([self.kernels.mat_vec(self.head_mat, r) for r in x])
         if pad_to:
             if not rows:
                 return x.new_zeros((0, self.lm_head.shape[0]), dtype=torch.float32)

@@ -104,12 +104,17 @@ class Packed(NamedTuple):
         return Mat(self.kind, n, k, 0, self.w.data_ptr(), 0 if self.s is None else self.s.data_ptr())
 
 
-def pack(w: torch.Tensor, parts=None, int8: bool = False) -> Packed:
+def pack(w: torch.Tensor | None, parts=None, int8: bool = False, q8=None) -> Packed | None:
     """w [N, K] (the dense weight, compute dtype) as decode reads it: int4 groups from a 4-bit
     source's parts (q uint8 [N, K], scale and min f32 [N, K/32]: its own levels; scale and min
-    rounded to f16), int8 groups of 32 with an f16 scale when int8 (a requantization of w), else
-    w itself (bf16 or f32, no copy)."""
-    n, k = w.shape
+    rounded to f16), int8 groups from a Q8_0 source's q8 (int8 [N, K], f16 scales [N, K/32]:
+    the source itself), int8 groups of 32 with an f16 scale when int8 (a requantization of
+    w), else w itself (bf16 or f32, no copy). w may be None when parts or q8 are given; then
+    None is the answer when they cannot be used."""
+    if q8 is not None:
+        q, d = q8
+        return Packed(MAT_Q8, q.contiguous(), d.to(torch.float16).contiguous())
+    n, k = w.shape if w is not None else parts[0].shape
     if parts is not None and k % GROUP == 0:
         q, scale, mn = parts
         g = q.to(torch.uint8).view(n, k // GROUP, 2, 16)
@@ -117,6 +122,8 @@ def pack(w: torch.Tensor, parts=None, int8: bool = False) -> Packed:
         sm = torch.stack([scale, mn], dim=-1).to(torch.float16)
         if torch.isfinite(sm).all():
             return Packed(MAT_Q4, qs, sm.contiguous())
+    if w is None:
+        return None
     if int8 and k % GROUP == 0:
         q = torch.empty(n, k, dtype=torch.int8)
         s = torch.empty(n, k // GROUP, dtype=torch.float16)
@@ -216,7 +223,7 @@ class Decoder:
         m.layers = layers
         m.norm = f32(model.norm)
         m.head = model.head_mat.mat()
-        self.vocab = model.head_mat.w.shape[0]
+        self.vocab = m.head.n
         self.scratch = torch.empty(0)
 
     def __call__(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
@@ -224,7 +231,7 @@ class Decoder:
         if not (kc.is_contiguous() and vc.is_contiguous() and kc.stride() == vc.stride()
                 and kc.dtype == vc.dtype == model.dtype):
             raise ValueError("native decode needs contiguous caches in the compute dtype")
-        x = model.embed[int(ids[0])]
+        x = model.embed_rows(ids[:1])[0]
         if model.cfg.embed_scale:
             x = x * model.cfg.embed_scale           # in the compute dtype, as forward() scales it
         x = x.to(torch.float32, copy=True)          # decode_step overwrites it: never the table's row
@@ -248,6 +255,30 @@ class Kernels:
         one.restype = None
         one.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 3
         self._mat_vec = one
+        rows = lib.mat_rows
+        rows.restype = None
+        rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+        self._rows = rows
+        self._scratch: dict = {}
+
+    def rows(self, p: Packed, dtype: torch.dtype, ids: torch.Tensor | None = None,
+             scratch: bool = False) -> torch.Tensor:
+        """The rows ids (all rows when None) of a Packed weight as the values decode
+        multiplies by, in dtype (bf16 or f32): [len(ids), K]. scratch: into a buffer shared by
+        every call of that dtype (a prefill's weight, used at once and never kept)."""
+        m = p.mat()
+        n = m.n if ids is None else ids.numel()
+        if scratch:
+            buf = self._scratch.get(dtype)
+            if buf is None or buf.numel() < n * m.k:
+                buf = self._scratch[dtype] = torch.empty(n * m.k, dtype=dtype)
+            out = buf[:n * m.k].view(n, m.k)
+        else:
+            out = torch.empty(n, m.k, dtype=dtype)
+        idx = None if ids is None else ids.to(torch.int64).contiguous()
+        self._rows(ctypes.byref(m), 0 if idx is None else idx.data_ptr(), n, out.data_ptr(),
+                   int(dtype == torch.bfloat16))
+        return out
 
     def mat_vec(self, p: Packed, x: torch.Tensor) -> torch.Tensor:
         """y = W x for one Packed weight (tests and benches of the packing)."""

@@ -203,3 +203,45 @@ void mat_vec_one(const Mat *m, const float *x, float *y, float *xs) {
     if (m->kind == MAT_Q4) group_sums(x, m->k, xs);
     mat_vec(m, x, xs, y);
 }
+
+/* Row r of m as the values mat_vec multiplies by, in f32 or (rounded to nearest even) bf16. */
+static void dequant_row(const Mat *m, long r, void *dst, int bf16) {
+    const int k = m->k, groups = k / GROUP;
+    float row[GROUP];
+    for (int g = 0; g < (m->kind == MAT_Q4 || m->kind == MAT_Q8 ? groups : 0); g++) {
+        if (m->kind == MAT_Q4) {
+            const uint8_t *q = (const uint8_t *)m->w + r * (k / 2) + 16 * g;
+            const float s = f16_to_f32(m->s[(r * groups + g) * 2]), mn = f16_to_f32(m->s[(r * groups + g) * 2 + 1]);
+            for (int j = 0; j < 16; j++) {
+                row[j] = (q[j] & 15) * s + mn;
+                row[j + 16] = (q[j] >> 4) * s + mn;
+            }
+        } else {
+            const int8_t *q = (const int8_t *)m->w + r * k + GROUP * g;
+            const float s = f16_to_f32(m->s[r * groups + g]);
+            for (int j = 0; j < GROUP; j++) row[j] = q[j] * s;
+        }
+        if (bf16)
+            for (int j = 0; j < GROUP; j++) ((uint16_t *)dst)[GROUP * g + j] = f32_to_bf16(row[j]);
+        else
+            memcpy((float *)dst + GROUP * g, row, sizeof row);
+    }
+    if (m->kind == MAT_BF16 || m->kind == MAT_F32) {
+        for (int i = 0; i < k; i++) {
+            const float v = m->kind == MAT_BF16 ? bf16_to_f32(((const uint16_t *)m->w)[r * k + i])
+                                                : ((const float *)m->w)[r * k + i];
+            if (bf16)
+                ((uint16_t *)dst)[i] = f32_to_bf16(v);
+            else
+                ((float *)dst)[i] = v;
+        }
+    }
+}
+
+/* Rows ids[0..count) of m into out [count][k] (f32, or bf16 when bf16); ids NULL: rows
+ * 0..count-1. Prefill's weights and the embedding's rows, from the one packed copy. */
+void mat_rows(const Mat *m, const int64_t *ids, long count, void *out, int bf16) {
+    const long row_bytes = (long)m->k * (bf16 ? 2 : 4);
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < count; i++) dequant_row(m, ids ? ids[i] : i, (char *)out + i * row_bytes, bf16);
+}
