@@ -38,11 +38,13 @@ stress: model
 agents:
 	cd agents && npm install --no-audit --no-fund --loglevel=error
 
-# the model bench against llama.cpp on the same GGUF in the same run (BENCH_MODEL=gemma3-270m for the other)
+# the model bench and the agent-conversation bench against llama.cpp on the same GGUF in the
+# same run (BENCH_MODEL=gemma3-270m for the other)
 BENCH_MODEL ?= smollm2-135m
 bench: model
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python bench/bench_model.py --model $(BENCH_MODEL)
+	$(BIN)/python bench/bench_agent.py --model $(BENCH_MODEL)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

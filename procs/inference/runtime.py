@@ -46,6 +46,29 @@ def describe() -> str:
     return f"ricordo compute dtype: {picked} on {device} (RICORDO_DTYPE={dtype}; f32 or bf16 choose)"
 
 
+def explain(s: Settings, model) -> str:
+    """Why this dtype and which decode path, for the log line at start."""
+    dev = model.device.type
+    if s.dtype != "auto":
+        why = f"--dtype {s.dtype}"
+    elif dev == "cuda":
+        why = "auto: CUDA computes in bf16"
+    elif cpu_has_fast_bf16():
+        why = "auto: this CPU has native bf16 (avx512_bf16/amx_bf16)"
+    else:
+        why = "auto: this CPU has no native bf16 (its bf16 GEMMs are emulated), so f32"
+    if model.decoder is not None:
+        kinds = sorted({("f32", "bf16", "int4", "int8")[x.mat.kind] for ly in model.layers
+                        for x in (ly.wqkv, ly.wo, ly.wgu, ly.wd)})
+        path = f"decode: one native call per token on {'+'.join(kinds)} weights, f32 activations"
+    elif dev == "cpu":
+        path = "decode: torch's ops" + (" (mixture of experts)" if model.cfg.n_experts else
+                                        " (--decode-kernels torch, or the kernels did not build)")
+    else:
+        path = "decode: torch's ops on the device"
+    return f"{str(model.dtype).replace('torch.', '')} ({why}); {path}"
+
+
 def _trim_heap() -> None:
     """Give the load's freed transients (f32 dequantized tensors, the unfused weights) back
     to the system: glibc keeps them in the heap otherwise (977 -> 594 MB resident for the

@@ -28,7 +28,7 @@ from procs.inference.disk import Disk, RestoreError
 from procs.inference.guide import Guides
 from procs.inference.model import KVSession
 from procs.inference.plan import live_reuse, prompt_saves
-from procs.inference.runtime import build
+from procs.inference.runtime import build, explain
 from procs.inference.sampling import Sampler
 
 
@@ -45,8 +45,8 @@ class Worker:
         self.model, self.n_ctx, load_s = build(s)
         self.live = KVSession(self.model, self.n_ctx, s.chunk_size, exact=s.deterministic)
         self.guides = Guides(load_text(resolve(s.model, s.models_path())))
-        log.info("model loaded in %.2f s: %s on %s, context %d", load_s, self.model.dtype,
-                 self.model.device, self.n_ctx)
+        log.info("model loaded in %.2f s on %s, context %d: %s", load_s, self.model.device, self.n_ctx,
+                 explain(s, self.model))
         ctx = zmq.Context.instance()
         self.pull = ctx.socket(zmq.PULL)
         self.pull.bind(address(s, INFERENCE_JOBS))

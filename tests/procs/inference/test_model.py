@@ -286,6 +286,19 @@ def test_pick_dtype():
         pick_dtype("f8", "cpu")
 
 
+def test_start_line_says_why(model_f32, model_path):
+    """The inference log line at start names the dtype's reason and the decode path."""
+    from common.config import Settings
+    from procs.inference.model import Llama
+    from procs.inference.runtime import explain
+    line = explain(Settings(dtype="f32"), model_f32)
+    assert line.startswith("float32 (--dtype f32)") and "one native call per token on int4 weights" in line
+    auto = explain(Settings(), model_f32)
+    assert "auto:" in auto and ("no native bf16" in auto) == (pick_dtype("auto", "cpu") is torch.float32)
+    plain = Llama(load(model_path, torch.float32, "cpu"), 64)
+    assert "decode: torch's ops (--decode-kernels torch" in explain(Settings(dtype="f32"), plain)
+
+
 # ------------------------------------------------------------------ sampling
 
 @pytest.fixture(scope="module")
