@@ -3,8 +3,8 @@ disk prompt cache, the same GGUF, threads and context, in one run.
 
 The conversation, as an agent sends it: a first prompt of about --system-words words of
 system text and tool descriptions (3,938 tokens with the default model) and a user line; then
-per turn about --turn-words words of new text (a tool result and a user line, ~200 tokens)
-(203 tokens) and an answer of at most --answer-tokens tokens (temperature 0; each server's own answer is
+per turn about --turn-words words of new text (a tool result and a user line, 203 tokens)
+and an answer of at most --answer-tokens tokens (temperature 0; each server's own answer is
 sent back, as an agent does). Both servers are restarted before the last turn, keeping their
 caches. Per turn: time to first token and total turn time (request to last chunk), medians
 over --rounds conversations (each with its own text, so no round finds another's prefix);
