@@ -273,6 +273,7 @@ def extra_bufts_work(path: str, threads: int) -> bool:
 
 # each prints its VmHWM (the peak of its own memory map: ru_maxrss would carry the parent's
 # peak over fork and exec)
+_PEAK = "print(next(int(ln.split()[1]) for ln in open('/proc/self/status') if ln.startswith('VmHWM')) / 1024)"
 RSS_CHILD = {
     "ricordo": ("import sys, random; sys.path.insert(0, sys.argv[5]); "
                 "from common.config import Settings; from procs.inference.runtime import build; "
@@ -280,14 +281,12 @@ RSS_CHILD = {
                 "m, ctx, _ = build(Settings.load('inference', ['--model', sys.argv[1], '--ctx-size', sys.argv[2], "
                 "'--threads', sys.argv[3], '--dtype', sys.argv[6]])); r = random.Random(0); "
                 "s = KVSession(m, ctx, 512); s.prefill([r.randrange(100, 40000) for _ in range(int(sys.argv[4]))]); "
-                "[s.decode(r.randrange(100, 40000)) for _ in range(16)]; "
-                "print(next(int(ln.split()[1]) for ln in open('/proc/self/status') if ln.startswith('VmHWM')) / 1024)"),
+                "[s.decode(r.randrange(100, 40000)) for _ in range(16)]; " + _PEAK),
     "llama.cpp": ("import sys, random; from llama_cpp import Llama; "
                   "m = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]), "
                   "n_batch=512, verbose=False); r = random.Random(0); "
                   "m.eval([r.randrange(100, 40000) for _ in range(int(sys.argv[4]))]); "
-                  "[m.eval([r.randrange(100, 40000)]) for _ in range(16)]; "
-                  "print(next(int(ln.split()[1]) for ln in open('/proc/self/status') if ln.startswith('VmHWM')) / 1024)"),
+                  "[m.eval([r.randrange(100, 40000)]) for _ in range(16)]; " + _PEAK),
 }
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from common.gguf_file import GGUFError, GGUFFile
+from procs.inference.gguf_tensors import INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to, q4_parts, q8_parts
 from procs.inference.archs import (ModelLoadError, arch_of, gguf_gemma3, gguf_moe, gguf_rope, hf_gemma3,
                                    hf_moe, hf_rope, layer_names, tensor_name, unused_math)
 
@@ -68,108 +69,9 @@ class LoadedWeights:
     # 4-bit source weights kept as (q uint8 [N, K], scale f32 [N, K/32], min f32 [N, K/32])
     # with w = q * scale + min, for the decode kernels (see model.Linear)
     q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-    q8: frozenset = frozenset()        # names whose source is quantized otherwise (INT8_TYPES)
+    q8: frozenset = frozenset()        # names whose source is quantized otherwise (gguf_tensors.INT8_TYPES)
     # Q8_0 source weights as they are stored: (q int8 [N, K], scale f16 [N, K/32]), w = q * scale
     q8_parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = None
-
-
-# ggml types read by the decode kernels as int4 groups of 32 (their own levels, scales and
-# mins: exact), and the other quantized types, which decode reads as int8 per row (approximate:
-# a requantization of the dequantized weight, as fine as the source's 5-8 bits or finer)
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES = ("Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
-
-
-def _q4_parts(g: GGUFFile, name: str):
-    """(q uint8 [N, K], scale f32 [N, K/32], min f32 [N, K/32]) with w = q * scale + min,
-    exactly the tensor's values, for a type in INT4_TYPES."""
-    info = g.tensors[name]
-    n, k = info.shape[1], info.shape[0]
-    if info.type_name == "Q4_K":
-        return _q4k_parts(g.raw(name), n, k)
-    blocks = torch.from_numpy(g.raw(name).copy()).view(-1, 20 if info.type_name == "Q4_1" else 18)
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float().view(n, k // 32)
-    off = 4 if info.type_name == "Q4_1" else 2
-    qs = blocks[:, off:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).reshape(n, k)
-    if info.type_name == "Q4_1":
-        mn = blocks[:, 2:4].contiguous().view(torch.float16).float().view(n, k // 32)
-    else:
-        mn = -8.0 * d
-    return q, d, mn
-
-
-def _q4k_parts(raw: np.ndarray, n: int, k: int):
-    """Q4_K super-blocks (256 values: f16 d and dmin, twelve bytes of 6-bit scales and mins
-    for eight sub-blocks of 32, 128 bytes of nibbles) as groups of 32: value =
-    q * (d * scale_j) - dmin * min_j, ggml's dequantize_row_q4_K."""
-    b = raw.reshape(-1, 144)
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, qs = b[:, 4:16], b[:, 16:]
-    s = np.empty((b.shape[0], 8), np.uint8)
-    m = np.empty((b.shape[0], 8), np.uint8)
-    s[:, :4], m[:, :4] = sc[:, :4] & 63, sc[:, 4:8] & 63
-    s[:, 4:] = (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)
-    m[:, 4:] = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
-    q = qs.reshape(-1, 4, 32)      # 64 values per 32 bytes: low nibbles, then high nibbles
-    q = np.stack([q & 0xF, q >> 4], axis=2).reshape(n, k)
-    scale = (d * s).reshape(n, k // 32)
-    mn = -(dmin * m).reshape(n, k // 32)
-    return torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(mn)
-
-
-ROW_BLOCK = 16384
-
-
-def _dequant_to(g: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """_dequant's tensor in dtype. A large matrix (an embedding of 262,144 rows) is done in
-    blocks of rows written into the result, so the load holds one block in f32, not the whole
-    tensor twice over (Gemma 3 270M: 0.7 GB of f32 per copy)."""
-    info = g.tensors[name]
-    shape = tuple(reversed(info.shape))
-    if len(shape) != 2 or shape[0] <= ROW_BLOCK:
-        return _dequant(g, name).to(dtype)
-    raw = g.raw(name)
-    per_row = raw.size // shape[0]
-    out = torch.empty(shape, dtype=dtype)
-    for a in range(0, shape[0], ROW_BLOCK):
-        b = min(a + ROW_BLOCK, shape[0])
-        out[a:b] = _dequant(g, name, raw[a * per_row:b * per_row], (b - a, shape[1]))
-    return out
-
-
-def _dequant(g: GGUFFile, name: str, raw=None, shape=None) -> torch.Tensor:
-    """Tensor in float32, shape in torch order ([rows, row_len]); raw and shape: a block of
-    whole rows of it instead."""
-    info = g.tensors[name]
-    shape = shape or tuple(reversed(info.shape))
-    raw = torch.from_numpy((g.raw(name) if raw is None else raw).copy())
-    t = info.type_name
-    if t == "F32":
-        return raw.view(torch.float32).reshape(shape)
-    if t == "F16":
-        return raw.view(torch.float16).float().reshape(shape)
-    if t == "BF16":
-        return raw.view(torch.bfloat16).float().reshape(shape)
-    if t in ("Q4_0", "Q4_1", "Q8_0"):
-        bb = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[t]
-        blocks = raw.view(-1, bb)
-        d = blocks[:, 0:2].contiguous().view(torch.float16).float()           # [nb, 1]
-        if t == "Q8_0":
-            q = blocks[:, 2:].contiguous().view(torch.int8).float()          # [nb, 32]
-            return (q * d).reshape(shape)
-        off = 4 if t == "Q4_1" else 2
-        qs = blocks[:, off:]                                                  # [nb, 16]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()                   # [nb, 32]
-        if t == "Q4_1":
-            m = blocks[:, 2:4].contiguous().view(torch.float16).float()
-            return (q * d + m).reshape(shape)
-        return ((q - 8) * d).reshape(shape)
-    from gguf.quants import dequantize   # K-quants and the rest: slower, but correct
-    from gguf.constants import GGMLQuantizationType
-    arr = dequantize(raw.numpy().reshape(shape[0], -1), GGMLQuantizationType(info.type_id))
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -228,7 +130,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             types[t.type_name] = types.get(t.type_name, 0) + 1
     main_type = max(types, key=types.get)
     head_dim = int(m.get(p + "attention.key_length", dim // n_heads))
-    rf = _dequant(g, "rope_freqs.weight").tolist() if "rope_freqs.weight" in g.tensors else None
+    rf = dequant(g, "rope_freqs.weight").tolist() if "rope_freqs.weight" in g.tensors else None
     theta, factors, attn = gguf_rope(m, p, head_dim, rf, path)
     extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
     if arch.name == "gemma3":
@@ -261,7 +163,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         heads = permuted.get(ours.rsplit(".", 1)[-1])
 
         def dense(gname=gname, heads=heads, to=torch.float32 if ours.endswith("norm") else dtype):
-            w = _dequant_to(g, gname, to)          # norms in f32: they are fingerprinted
+            w = dequant_to(g, gname, to)          # norms in f32: they are fingerprinted
             g.release(gname)
             return (_unpermute(w, heads) if heads else w).to(device=device)
         if ours.endswith("norm"):
@@ -271,67 +173,15 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             tensors.later(ours, dense)
         if info.type_name in INT4_TYPES and len(info.shape) == 2:
             def parts(gname=gname, heads=heads):
-                x = _q4_parts(g, gname)
+                x = q4_parts(g, gname)
                 g.release(gname)
                 return tuple(_unpermute(t, heads) for t in x) if heads else x
             q4.later(ours, parts)
         elif info.type_name in INT8_TYPES:
             q8.add(ours)
             if info.type_name == "Q8_0" and len(info.shape) == 2 and not heads:
-                q8p.later(ours, lambda gname=gname: _q8_parts(g, gname))
+                q8p.later(ours, lambda gname=gname: q8_parts(g, gname))
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8), q8p)
-
-
-def _q8_parts(g: GGUFFile, name: str):
-    """(q int8 [N, K], scale f16 [N, K/32]) of a Q8_0 tensor: its blocks of 32 as stored."""
-    info = g.tensors[name]
-    n, k = info.shape[1], info.shape[0]
-    blocks = torch.from_numpy(g.raw(name).copy()).view(-1, 34)
-    g.release(name)
-    return (blocks[:, 2:].contiguous().view(torch.int8).view(n, k),
-            blocks[:, 0:2].contiguous().view(torch.float16).view(n, k // 32))
-
-
-class Lazy(dict):
-    """A dict whose values may be made when first read (later(name, make)): a model built
-    from a GGUF dequantizes one layer's tensors at a time and drops them once packed, so a
-    load never holds every weight dense at once. Membership and iteration see every name."""
-
-    def __init__(self):
-        super().__init__()
-        self._make = {}
-
-    def later(self, name: str, make) -> None:
-        self._make[name] = make
-        super().__setitem__(name, None)
-
-    def __getitem__(self, name):
-        make = self._make.pop(name, None)
-        if make is not None:
-            super().__setitem__(name, make())
-        return super().__getitem__(name)
-
-    def get(self, name, default=None):
-        return self[name] if name in self else default
-
-    def __delitem__(self, name):
-        self._make.pop(name, None)
-        super().__delitem__(name)
-
-    def items(self):
-        return ((k, self[k]) for k in list(self.keys()))
-
-    def values(self):
-        return (self[k] for k in list(self.keys()))
-
-    def pop(self, name, *default):
-        if name not in self:
-            if default:
-                return default[0]
-            raise KeyError(name)
-        v = self[name]
-        del self[name]
-        return v
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:

@@ -19,97 +19,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from procs.inference.loader import LoadedWeights, ModelConfig
+from procs.inference.loader import LoadedWeights
 from procs.inference.moe import MoE
-from procs.inference.native import MAT_Q4, MAT_Q8, pack
+from procs.inference.linear import PACKED_MAX_ROWS, Linear, fuse, pack_source
+from procs.inference.native import MAT_Q4, MAT_Q8
 
 
-# Decode (a few rows) is bound by weight bytes read: it reads weight-only packed copies, 4-bit
-# (int4 groups of 32) or 8-bit (int8 rows), 2-4x fewer bytes than bf16 and up to 8x fewer than
-# f32. Prefill is compute-bound and keeps the dense matmul.
-PACKED_MAX_ROWS = 4
 # Exact mode runs attention on blocks of this many query rows (padded), so that a short
 # suffix does not pay for a whole chunk of queries against a long context.
 EXACT_Q = 64
-
-
-class Linear:
-    """A dense weight in the compute dtype and, on the CPU, a packed copy decode reads: int4
-    for a 4-bit source (its own levels, scales and mins: exact), int8 per row for another
-    quantized source (a requantization no coarser than the source). torch's packed kernels
-    take bf16 activations, whatever the compute dtype: decode rows are bf16-rounded at the
-    linears (prefill rows are not; the server never compares the two)."""
-
-    def __init__(self, w: torch.Tensor | None, parts=None, int8: bool = False, packed: bool = True,
-                 kernels=None, dtype=None):
-        """kernels (procs/inference/native.Kernels): the copy is the native decoder's
-        (native.pack: int4 or int8 groups, or the dense weight itself when not packed), and a
-        quantized copy is the only one: prefill reads its values (w, dequantized per call
-        into a shared buffer) instead of a second, dense copy beside it; w may then be None
-        (dtype: the compute dtype)."""
-        self._w, self.kernels, self.dtype = w, kernels, dtype if w is None else w.dtype
-        self.packed, self.kind, self.mat = None, "", None
-        if kernels is not None:
-            self.mat = pack(w, parts if packed else None, int8 and packed)
-            if self.mat is None:   # parts past f16's range: the dense weight after all
-                q, scale, mn = parts
-                self._w = (q.float() * scale.repeat_interleave(32, 1) + mn.repeat_interleave(32, 1)).to(dtype)
-                self.mat = pack(self._w)
-            if self.mat.kind in (MAT_Q4, MAT_Q8):
-                self._w = None
-            return
-        if not packed or w.device.type != "cpu":
-            return
-        if parts is not None and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-            q, scale, mn = parts                                # [N, K], [N, K/32] x2
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-            # torch's int4 dequant is (q - 8) * scale + zero, ours q * scale + min
-            self.sz = torch.stack([scale.t(), (mn + 8 * scale).t()], dim=-1).to(torch.bfloat16).contiguous()
-            self.kind = "int4"
-        elif int8 and hasattr(torch, "_weight_int8pack_mm"):
-            wf = w.float()
-            scale = (wf.abs().amax(dim=1).clamp_min(1e-30) / 127).to(torch.bfloat16)
-            self.packed = torch.round(wf / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-            self.sz = scale
-            self.kind = "int8"
-
-    @property
-    def w(self) -> torch.Tensor:
-        """The dense weight [N, K] in the compute dtype (from the packed copy: valid until the
-        next Linear's w)."""
-        if self._w is not None:
-            return self._w
-        return self.kernels.rows(self.mat, self.dtype, scratch=True)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
-            xb = x.to(torch.bfloat16)
-            if self.kind == "int4":
-                return torch._weight_int4pack_mm_for_cpu(xb, self.packed, 32, self.sz).to(x.dtype)
-            return torch._weight_int8pack_mm(xb, self.packed, self.sz).to(x.dtype)
-        return F.linear(x, self.w)
-
-
-def _fuse(names, t, q4, q8, packed: bool, kernels) -> Linear:
-    """Weights concatenated along the output dim: int4 when every part has 4-bit parts, int8
-    when every part is quantized (a 4-bit part requantized with the rest), else dense."""
-    if all(n in q4 for n in names):
-        parts = tuple(torch.cat(xs) for xs in zip(*(q4[n] for n in names)))
-        # the native copy from the parts is the only one: no dense weight to make
-        w = None if kernels is not None and packed else torch.cat([t[n] for n in names]).contiguous()
-        return Linear(w, parts, packed=packed, kernels=kernels, dtype=t["norm"].dtype)
-    w = torch.cat([t[n] for n in names]).contiguous()
-    return Linear(w, int8=all(n in q4 or n in q8 for n in names), packed=packed, kernels=kernels)
-
-
-def _pack_source(t, name: str, q4, q8, q8p, packed: bool):
-    """native.Packed for one source tensor, from its quantized parts when it has them (no
-    dense copy made), else from the dense tensor."""
-    if packed and (name in q4 or name in q8p):
-        p = pack(None, q4.get(name), q8=q8p.get(name))
-        if p is not None:
-            return p
-    return pack(t[name], None, packed and name in q8)
 
 
 class Layer(NamedTuple):
@@ -151,7 +69,7 @@ class Llama:
             p = f"layers.{i}."
 
             def fused(*names):
-                return _fuse([p + n for n in names], t, q4, q8, packed, kernels if native else None)
+                return fuse([p + n for n in names], t, q4, q8, packed, kernels if native else None)
             bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
             qkn = None
             if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
@@ -203,11 +121,11 @@ class Llama:
         quantized = (MAT_Q4, MAT_Q8)
         self.head_mat = self.embed_mat = self.head = None
         if native:
-            self.head_mat = _pack_source(t, head, q4, q8, q8p, packed)
+            self.head_mat = pack_source(t, head, q4, q8, q8p, packed)
             if self.head_mat.kind in quantized and head == "embed":
                 self.embed_mat = self.head_mat
             elif packed and head != "embed" and ("embed" in q4 or "embed" in q8):
-                self.embed_mat = _pack_source(t, "embed", q4, q8, q8p, packed)
+                self.embed_mat = pack_source(t, "embed", q4, q8, q8p, packed)
         self.embed = t["embed"] if self.embed_mat is None else None           # [V, dim]
         if self.head_mat is not None and self.head_mat.kind in quantized:
             self.lm_head = None

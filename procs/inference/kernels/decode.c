@@ -73,6 +73,15 @@ static void store_rows(void *cache, int bf16, long at, const float *src, int D) 
 
 static inline int imax(int a, int b) { return a > b ? a : b; }
 
+/* x += post_norm(W in): a block's output projection and its residual (o, xs: scratch) */
+static void residual(const Mat *w, const float *in, int n_in, const float *post_norm, float eps, int dim,
+                     float *x, float *o, float *xs) {
+    group_sums(in, n_in, xs);
+    mat_vec(w, in, xs, o);
+    if (post_norm) rms_norm(o, post_norm, eps, dim, o);
+    for (int i = 0; i < dim; i++) x[i] += o[i];
+}
+
 long decode_step_scratch(const ModelW *m, int S) {
     const int qkv = (m->H + 2 * m->KV) * m->D, wide = imax(imax(m->dim, qkv), 2 * m->ffn);
     return 2L * m->dim + qkv + m->H * m->D + 2L * m->ffn + wide / GROUP + 1 +
@@ -112,10 +121,7 @@ int decode_step(const ModelW *m, float *x, int pos, void *kc, void *vc, long lay
         if (decode_attention(q, (const char *)kc + first, (const char *)vc + first, head_stride, KV, H / KV, D,
                              pos + 1 - ks, m->scale, m->kv_bf16, att, att_scratch))
             return -1;
-        group_sums(att, H * D, xs);
-        mat_vec(&L->wo, att, xs, o);
-        if (L->post_attn_norm) rms_norm(o, L->post_attn_norm, m->eps, dim, o);
-        for (int i = 0; i < dim; i++) x[i] += o[i];
+        residual(&L->wo, att, H * D, L->post_attn_norm, m->eps, dim, x, o, xs);
         rms_norm(x, L->ffn_norm, m->eps, dim, h);
         group_sums(h, dim, xs);
         mat_vec(&L->gu, h, xs, gu);
@@ -126,10 +132,7 @@ int decode_step(const ModelW *m, float *x, int pos, void *kc, void *vc, long lay
                 : g / (1.0f + expf(-g));
             gu[i] = a * gu[ffn + i];
         }
-        group_sums(gu, ffn, xs);
-        mat_vec(&L->down, gu, xs, o);
-        if (L->post_ffn_norm) rms_norm(o, L->post_ffn_norm, m->eps, dim, o);
-        for (int i = 0; i < dim; i++) x[i] += o[i];
+        residual(&L->down, gu, ffn, L->post_ffn_norm, m->eps, dim, x, o, xs);
     }
     rms_norm(x, m->norm, m->eps, dim, h);
     group_sums(h, dim, xs);

@@ -102,7 +102,7 @@ def test_q4_k_unpacks_to_its_exact_values(path):
     from gguf.quants import dequantize
 
     from common.gguf_file import GGUFFile
-    from procs.inference.loader import _q4_parts
+    from procs.inference.gguf_tensors import q4_parts as _q4_parts
     g = GGUFFile(path)
     name = "blk.0.attn_output.weight"
     info = g.tensors[name]
