@@ -52,6 +52,10 @@ class Settings:
                                    "serves any name, and the answer names it)", ("web",))
     n_predict: int = opt(0, "most tokens one answer may have, whatever the request asks (0 = until the context "
                          "is full), as llama.cpp's --n-predict", ("renderer",))
+    kv_ram_space_mb: int = opt(0, "memory budget for the K/V of the sessions kept resident (0 = a quarter of the "
+                               "memory available when inference starts)", ("generate", "inference"))
+    max_live_sessions: int = opt(4, "conversations kept resident in memory at most; a session leaving memory "
+                                 "is checkpointed (evict) first", ("generate", "inference"))
     max_queue: int = opt(64, "requests waiting for the model beyond which new ones get 429", ("renderer",))
     log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
     # disk KV cache (names and defaults of ds4-server, docs/kv-format.md)

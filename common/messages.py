@@ -130,6 +130,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     response_format: str = ""           # JSON: {"type": "json_object"} | {"type": "json_schema", "schema": ...}
     parallel_tool_calls: bool = False   # an answer may hold several calls (else one, then its end)
     count_only: bool = False            # render and tokenize only: Finished("count") with prompt_tokens
+    session_hint: str = ""              # which conversation this is, as the client says (Responses'
+                                        # prompt_cache_key, `user`, Anthropic metadata.user_id)
 
 
 class CancelRequest(msgspec.Struct, tag="cancel", frozen=True):
@@ -224,6 +226,12 @@ class Job(msgspec.Struct, tag="job", frozen=True):
     run_last: bool = False              # run the last sampled token too (a tool call's block
                                         # must be whole in the session and its checkpoints)
     constraint: Constraint | None = None  # masks sampling only: never what is cached
+    session: int = 0                    # the resident session to run in (its first `reuse` tokens
+                                        # kept); 0: a new one
+    source: int = 0                     # with session 0: the resident session whose first `reuse`
+                                        # tokens the new one starts from (copied); 0: none
+    unsaved: tuple[int, ...] = ()       # resident sessions whose whole state no checkpoint holds:
+                                        # evict-saved if they must leave memory for this job
 
 
 class CancelJob(msgspec.Struct, tag="cancel_job", frozen=True):
@@ -237,7 +245,7 @@ class InferencePing(msgspec.Struct, tag="iping", frozen=True):
 
 
 class LiveQuery(msgspec.Struct, tag="live_query", frozen=True):
-    """A renderer that does not know the live session's token ids asks for them."""
+    """A renderer that does not know the resident sessions' token ids asks for them."""
     rid: str = ""
 
 
@@ -283,14 +291,18 @@ class Token(msgspec.Struct, tag="token", frozen=True):
 class JobDone(msgspec.Struct, tag="job_done", frozen=True):
     rid: str
     reason: str                         # stop | length | cancelled
-    live: tuple[int, ...]               # the live session's token ids after this job
+    live: tuple[int, ...]               # the job's session's token ids after this job
     keep_from: int = 0                  # the shortest prefix > 0 it can be cut to (0: any; KVSession.keep_from)
+    session: int = 0                    # the job's session (0: none is resident any more)
+    resident: tuple[int, ...] = ()      # every resident session after this job, least recently used first
 
 
 class JobError(msgspec.Struct, tag="job_error", frozen=True):
     rid: str
     message: str
     live: tuple[int, ...] = ()
+    session: int = 0
+    resident: tuple[int, ...] = ()
 
 
 class InferenceHealth(msgspec.Struct, tag="ihealth", frozen=True):
@@ -299,23 +311,32 @@ class InferenceHealth(msgspec.Struct, tag="ihealth", frozen=True):
     vocab_size: int
     device: str
     dtype: str
-    live_tokens: int
+    live_tokens: int                    # tokens of all resident sessions
     quant_bits: int = 0
     boot: str = ""                      # new for every process: a change means it restarted
     seq: int = 0                        # the InferencePing's
     jobs: tuple[str, ...] = ()          # rids running or queued when the ping was read
+    live_sessions: int = 0              # sessions resident in memory
+    resident_bytes: int = 0             # their K/V bytes
+
+
+class LiveSession(msgspec.Struct, frozen=True):
+    """One resident session as the renderer mirrors it."""
+    sid: int
+    tokens: tuple[int, ...]
+    keep_from: int = 0                  # as JobDone.keep_from
 
 
 class LiveState(msgspec.Struct, tag="live_state", frozen=True):
-    """inference -> renderer: the live session's token ids. rid "": the answer to a
-    LiveQuery (valid only when not busy: no job running or queued). rid of a Job: that job
-    was planned against another live session (the renderer's mirror was stale, e.g. this
-    process restarted since); it was not run, plan it again against `tokens`."""
+    """inference -> renderer: the resident sessions' token ids, least recently used first.
+    rid "": the answer to a LiveQuery (valid only when not busy: no job running or queued).
+    rid of a Job: that job was planned against sessions this process does not hold (the
+    renderer's mirror was stale, e.g. this process restarted since); it was not run, plan
+    it again against `sessions`."""
     rid: str
     boot: str
-    tokens: tuple[int, ...]
+    sessions: tuple[LiveSession, ...] = ()
     busy: bool = False
-    keep_from: int = 0                  # as JobDone.keep_from
 
 
 class IndexSnapshot(msgspec.Struct, tag="index", frozen=True):

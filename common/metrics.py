@@ -50,8 +50,12 @@ class Metrics:
                                       buckets=RATE_BUCKETS)
         self.decode_rate = Histogram("ricordo_decode_tokens_per_second", "decode speed per request",
                                      buckets=RATE_BUCKETS)
-        self.live_tokens = Gauge("ricordo_live_session_tokens", "tokens in the live KV session",
+        self.live_tokens = Gauge("ricordo_live_session_tokens", "tokens in the resident KV sessions",
                                  multiprocess_mode="livesum")
+        self.live_sessions = Gauge("ricordo_live_sessions", "KV sessions resident in memory",
+                                   multiprocess_mode="livesum")
+        self.resident_bytes = Gauge("ricordo_resident_kv_bytes", "K/V bytes of the resident sessions",
+                                    multiprocess_mode="livesum")
         # persister
         self.stored = Counter("ricordo_checkpoints_stored", "checkpoints written by reason", ["reason"])
         self.evictions = Counter("ricordo_evictions", "checkpoints removed (LRU or rejected)", ["why"])

@@ -19,7 +19,7 @@ import logging
 from common.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallFunction
 from procs.frontend import normalize
 from procs.frontend.errors import bad
-from procs.frontend.fields import (function_tool, get_bool, json_text, message_role, named_choice, sampling,
+from procs.frontend.fields import (function_tool, get_bool, session_hint, json_text, message_role, named_choice, sampling,
                                    stops)
 from procs.frontend.flow import Job
 from procs.frontend.toolset import Toolset, left_out, tool_list
@@ -183,5 +183,6 @@ def parse(body: dict, rid: str, count_only: bool = False) -> Job:
     # logprobs carry every sampled token's bytes: how the frontend tells which stop string ended it
     req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(msgs), stop=stop,
                           tools=tool_json, tool_choice=choice, logprobs=bool(stop), parallel_tool_calls=parallel,
-                          response_format=_output_format(body), count_only=count_only)
+                          response_format=_output_format(body), count_only=count_only,
+                          session_hint=session_hint(body, "metadata.user_id"))
     return Job(req, stream and not count_only)

@@ -60,6 +60,19 @@ def get_bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
+def session_hint(body: dict, *keys: str) -> str:
+    """The first of keys (a dotted path into body) that is a non-empty string: which
+    conversation the client says this is. Only a hint for which resident session to prefer;
+    other types are ignored rather than refused (the APIs define no stricter check)."""
+    for key in keys:
+        v = body
+        for part in key.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        if isinstance(v, str) and v:
+            return v[:256]
+    return ""
+
+
 def check_model(body: dict, served_id: str, strict: bool) -> None:
     """Any model name is served by the loaded model (agents send their vendor's names), unless
     `strict`; the answer always names the model that served it."""

@@ -21,7 +21,7 @@ import logging
 from common.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallFunction
 from procs.frontend import normalize
 from procs.frontend.errors import bad
-from procs.frontend.fields import (TOOL_NAME, function_tool, get_bool, json_text, message_role, named_choice,
+from procs.frontend.fields import (TOOL_NAME, function_tool, get_bool, session_hint, json_text, message_role, named_choice,
                                    output_format, sampling)
 from procs.frontend.flow import Job
 from procs.frontend.toolset import CUSTOM_PARAMETERS, Toolset, custom_arguments, tool_list
@@ -223,5 +223,6 @@ def parse(body: dict, rid: str) -> Job:
     get_bool(body, "store")
     req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(messages),
                           tools=tools.json(), tool_choice=choice, response_format=out_format,
-                          parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True)
+                          parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True,
+                          session_hint=session_hint(body, "prompt_cache_key", "user"))
     return Job(req, stream, body=body, tools=tools)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from common.messages import ChatMessage, GenerateRequest, SamplingParams, ToolCall, ToolCallFunction
 from procs.frontend import normalize
 from procs.frontend.errors import bad
-from procs.frontend.fields import (function_tool, get_bool, get_int, json_text, named_choice,
+from procs.frontend.fields import (function_tool, get_bool, session_hint, get_int, json_text, named_choice,
                                    message_role, output_format, sampling, stops)
 from procs.frontend.flow import Job
 
@@ -166,7 +166,8 @@ def parse_chat(body: dict, rid: str) -> Job:
                           stop=stops(body, "stop", MAX_STOPS, one_string=True),
                           tools=tools, tool_choice=choice, logprobs=logprobs,
                           response_format=output_format(body.get("response_format"), "response_format", "json_schema"),
-                          parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True)
+                          parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True,
+                          session_hint=session_hint(body, "prompt_cache_key", "user"))
     return Job(req, stream, include_usage=usage)
 
 

@@ -310,8 +310,10 @@ class KVSession:
         if n_ctx > model.max_context:
             raise ValueError(f"context {n_ctx} exceeds the rotary table ({model.max_context})")
         self.model, self.n_ctx, self.chunk = model, n_ctx, chunk
-        cap = -(-n_ctx // chunk) * chunk if exact else n_ctx     # exact attention reads whole chunks
-        shape = (c.n_layers, c.n_kv_heads, cap, c.head_dim)
+        self.max_cap = -(-n_ctx // chunk) * chunk if exact else n_ctx     # exact attention reads whole chunks
+        # rows are allocated as the session grows (reserve), so a short conversation kept
+        # resident costs its own length, not the whole context
+        shape = (c.n_layers, c.n_kv_heads, 0, c.head_dim)
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.tokens: list[int] = []
@@ -321,6 +323,48 @@ class KVSession:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the session's K/V rows take (its capacity, not only its length)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def capacity_for(self, n: int) -> int:
+        """The capacity reserve(n) grows to: whole chunks, at least double the current one
+        (so a growing session is copied O(log n) times), at most the context."""
+        cap = self.k.shape[2]
+        if n <= cap:
+            return cap
+        return min(self.max_cap, max(-(-n // self.chunk) * self.chunk, 2 * cap))
+
+    def reserve(self, n: int) -> None:
+        """Room for n rows (exact mode: for the whole chunk holding row n - 1)."""
+        if self.exact:
+            n = -(-n // self.chunk) * self.chunk
+        if n > self.max_cap:
+            raise ValueError(f"{n} rows exceed the context of {self.n_ctx}")
+        cap = self.capacity_for(n)
+        if cap == self.k.shape[2]:
+            return
+        held = min(len(self.tokens), self.k.shape[2])
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros(old.shape[:2] + (cap, old.shape[3]), dtype=old.dtype, device=old.device)
+            new[:, :, :held] = old[:, :, :held]
+            setattr(self, name, new)
+
+    def copy_prefix(self, src: "KVSession", n: int) -> None:
+        """Become the first n tokens of src (another session of the same model): its rows
+        copied, so either can then go on alone. The logits are unknown (None)."""
+        if not src.can_keep(n):
+            raise ValueError(f"cannot keep {n} tokens of the source session")
+        self.truncate(0)
+        self.reserve(n)
+        self.k[:, :, :n] = src.k[:, :, :n]
+        self.v[:, :, :n] = src.v[:, :, :n]
+        self.floors = list(src.floors)
+        self.tokens = list(src.tokens[:n])
+        self.logits = src.logits.clone() if n == len(src.tokens) and src.logits is not None else None
 
     @property
     def window_floor(self) -> int:
@@ -365,6 +409,7 @@ class KVSession:
             raise ValueError(f"{end} tokens exceed the context of {self.n_ctx}")
         if not ids:
             return {}
+        self.reserve(end)
         want = {n for n in logits_at if start < n <= end} | {end}
         out, lo = {}, start
         dev = self.model.device
@@ -426,6 +471,8 @@ class KVSession:
         if len(rows) != len(need) or [x.shape[0] for x in v] != rows or \
                 any(not need_l <= r <= n for r, need_l in zip(rows, need)):
             raise ValueError(f"checkpoint rows {rows} for {n} tokens; the model needs {need}")
+        self.truncate(0)
+        self.reserve(n)
         if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):   # all n rows: one copy
             self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
             self.v[:, :, :n] = v.to(self.v.device, self.v.dtype).transpose(1, 2)

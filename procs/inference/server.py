@@ -1,8 +1,9 @@
 """The inference process: the only one that touches the model.
 
-Knows tokens and tensors; nothing of HTTP or files it writes. It owns the one live KV
-session, runs one Job at a time (the renderer queues them), re-checks the renderer's reuse
-plan against the live token ids (a mismatch falls back to a cold prefill), prefills in
+Knows tokens and tensors; nothing of HTTP or files it writes. It owns the resident KV
+sessions (sessions.py: several conversations under a memory budget), runs one Job at a time
+(the renderer queues them) in the session the renderer's plan names, re-checks that plan
+against the session's token ids (a mismatch falls back to a cold prefill), prefills in
 aligned chunks, samples and streams Token events back.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from procs.inference.model import KVSession
 from procs.inference.plan import live_reuse, prompt_saves
 from procs.inference.runtime import build, explain
 from procs.inference.sampling import Sampler
+from procs.inference.sessions import Sessions, budget_bytes
 
 
 class Cancelled(Exception):
@@ -43,10 +45,16 @@ class Worker:
     def __init__(self, s: Settings, log):
         self.s, self.log = s, log
         self.model, self.n_ctx, load_s = build(s)
-        self.live = KVSession(self.model, self.n_ctx, s.chunk_size, exact=s.deterministic)
+        self.sessions = Sessions(lambda: KVSession(self.model, self.n_ctx, s.chunk_size, exact=s.deterministic),
+                                 budget_bytes(s.kv_ram_space_mb), s.max_live_sessions)
+        self.sid, self.live = self.sessions.add()   # the session of the running (or last) job
+        c = self.model.cfg
+        self.row_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.live.k.element_size()
         self.guides = Guides(load_text(resolve(s.model, s.models_path())))
         log.info("model loaded in %.2f s on %s, context %d: %s", load_s, self.model.device, self.n_ctx,
                  explain(s, self.model))
+        log.info("resident sessions: at most %d in %.0f MiB of K/V (%d bytes a token)",
+                 self.sessions.max_sessions, self.sessions.budget / 2**20, self.row_bytes)
         ctx = zmq.Context.instance()
         self.pull = ctx.socket(zmq.PULL)
         self.pull.bind(address(s, INFERENCE_JOBS))
@@ -59,7 +67,7 @@ class Worker:
         self.enc, self.dec = m.encoder(), m.decoder(m.InferenceIn)
         self.trace = Trace(s.trace, "inference")
         self.disk = Disk(s, self.model, self.n_ctx, run_dir(s), self.send_persister, self.drain, log)
-        self.last_frontier = 0   # the live session's last continued checkpoint position
+        self.frontiers: dict[int, int] = {}   # sid -> its last continued checkpoint position
         self.jobs: collections.deque[m.Job] = collections.deque()
         self.cancelled: set[str] = set()
         self.keep: dict[str, int] = {}   # rid -> live tokens to keep when it is cancelled
@@ -77,9 +85,10 @@ class Worker:
     def health(self, rid: str, seq: int = 0) -> m.InferenceHealth:
         return m.InferenceHealth(rid=rid, n_ctx=self.n_ctx, vocab_size=self.model.cfg.vocab_size,
                                  device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
-                                 live_tokens=len(self.live), quant_bits=self.model.cfg.quant_bits,
+                                 live_tokens=self.sessions.tokens, quant_bits=self.model.cfg.quant_bits,
                                  boot=self.boot, seq=seq,
-                                 jobs=((self.running,) if self.running else ()) + tuple(j.rid for j in self.jobs))
+                                 jobs=((self.running,) if self.running else ()) + tuple(j.rid for j in self.jobs),
+                                 live_sessions=len(self.sessions), resident_bytes=self.sessions.nbytes)
 
     def drain(self, wait_s: float = 0.0) -> None:
         """Read every waiting message, waiting up to wait_s for the first: jobs queue up,
@@ -102,8 +111,7 @@ class Worker:
             elif isinstance(msg, m.PersisterHello):
                 self.disk.all_free()
             elif isinstance(msg, m.LiveQuery):
-                self.send(m.LiveState(rid="", boot=self.boot, tokens=tuple(self.live.tokens),
-                                      keep_from=self.live.keep_from,
+                self.send(m.LiveState(rid="", boot=self.boot, sessions=self.sessions.state(),
                                       busy=bool(self.running or self.jobs)))
             else:
                 self.send(self.health(msg.rid, msg.seq))
@@ -120,8 +128,7 @@ class Worker:
                 job = self.jobs.popleft()
                 if job.rid in self.cancelled:
                     self.cancelled.discard(job.rid)
-                    self.send(m.JobDone(rid=job.rid, reason="cancelled", live=tuple(self.live.tokens),
-                                        keep_from=self.live.keep_from))
+                    self.send(self.done(job.rid, "cancelled"))
                     continue
                 if self.send_back(job):
                     continue
@@ -131,34 +138,118 @@ class Worker:
                 except Exception as e:  # the request fails; the process and the next ones go on
                     self.log.exception("job %s failed", job.rid)
                     self.live.truncate(0)
-                    self.send(m.JobError(rid=job.rid, message=f"inference error: {e}", live=()))
+                    self.sessions.drop(self.sid)
+                    self.send(m.JobError(rid=job.rid, message=f"inference error: {e}", live=(), session=0,
+                                         resident=tuple(self.sessions.by_id)))
                 self.cancelled.discard(job.rid)
                 self.running = ""
         self.shutdown()
         return 0
 
+    def done(self, rid: str, reason: str) -> m.JobDone:
+        return m.JobDone(rid=rid, reason=reason, live=tuple(self.live.tokens), keep_from=self.live.keep_from,
+                         session=self.sid if self.sid in self.sessions.by_id else 0,
+                         resident=tuple(self.sessions.by_id))
+
     def send_back(self, job: m.Job) -> bool:
-        """A job planned to keep live tokens this session does not hold (the renderer's
-        mirror is stale: this process restarted, or the mirror was lost) goes back once with
-        the real ids, to be planned again (a disk checkpoint may serve it), not run cold."""
-        r, live = job.reuse, self.live.tokens
-        if job.restore or not r or (r <= len(live) and list(job.ids[:r]) == live[:r]) or job.rid in self.sent_back:
+        """A job planned to keep tokens of a session this process does not hold (the
+        renderer's mirror is stale: this process restarted, or the mirror was lost) goes back
+        once with the real sessions, to be planned again (a disk checkpoint may serve it), not
+        run cold."""
+        r = job.reuse
+        sid = job.session or job.source
+        sess = self.sessions.get(sid) if sid else None
+        if job.restore or not r or job.rid in self.sent_back:
+            return False
+        if sess is not None and r <= len(sess) and list(job.ids[:r]) == sess.tokens[:r]:
             return False
         self.sent_back[job.rid] = None
         if len(self.sent_back) > MAX_CANCELLED:
             self.sent_back.pop(next(iter(self.sent_back)))
-        self.log.info("job %s: planned against another live session; sent back to be planned again", job.rid)
-        self.send(m.LiveState(rid=job.rid, boot=self.boot, tokens=tuple(live), keep_from=self.live.keep_from))
+        self.log.info("job %s: planned against a session this process does not hold; sent back", job.rid)
+        self.send(m.LiveState(rid=job.rid, boot=self.boot, sessions=self.sessions.state()))
         return True
 
     def shutdown(self) -> None:
-        live = self.live
-        if self.disk.enabled and len(live) >= self.s.kv_cache_min_tokens and live.logits is not None:
-            if self.disk.save(live, len(live), live.logits, kvfile.SHUTDOWN):
-                self.log.info("shutdown checkpoint of %d tokens handed to the persister", len(live))
+        """Every resident session worth keeping is checkpointed (shutdown), most recent first:
+        the budget of the persister's slots may drop the rest."""
+        for sid in reversed(list(self.sessions.by_id)):
+            sess = self.sessions.get(sid)
+            if self.disk.enabled and len(sess) >= self.s.kv_cache_min_tokens and sess.logits is not None:
+                if self.disk.save(sess, len(sess), sess.logits, kvfile.SHUTDOWN):
+                    self.log.info("shutdown checkpoint of %d tokens handed to the persister", len(sess))
         self.send_persister(m.InferenceBye(pid=os.getpid()))
         self.disk.close()
         self.log.info("stopping")
+
+    # -- the resident sessions --
+    @property
+    def last_frontier(self) -> int:
+        return self.frontiers.get(self.sid, 0)
+
+    @last_frontier.setter
+    def last_frontier(self, pos: int) -> None:
+        self.frontiers[self.sid] = pos
+
+    def use(self, sid: int) -> None:
+        self.sid, self.live = sid, self.sessions.get(sid)
+        self.sessions.touch(sid)
+
+    def evict(self, sid: int, unsaved) -> None:
+        """sid leaves memory, checkpointed first when no checkpoint holds it whole."""
+        sess = self.sessions.get(sid)
+        if sid in unsaved and len(sess) >= self.s.kv_cache_min_tokens and sess.logits is not None:
+            self.disk.save(sess, len(sess), sess.logits, kvfile.EVICT)
+        self.trace.line(f"KV cache: session {sid} ({len(sess)} tokens) leaves memory")
+        self.sessions.drop(sid)
+        self.frontiers.pop(sid, None)
+
+    def make_room(self, need: int, keep: set[int], new: bool, unsaved) -> bool:
+        """Evict least recently used sessions (never those in keep) until need more bytes
+        and, if new, one more session fit. False when they cannot (a kept one is in the way)."""
+        victims = self.sessions.victims(need, keep, new)
+        total = self.sessions.nbytes + need - sum(self.sessions.get(v).nbytes for v in victims)
+        fits = len(self.sessions) + int(new) - len(victims) <= self.sessions.max_sessions and \
+            (total <= self.sessions.budget or not keep)
+        if fits or not new:
+            for v in victims:
+                self.evict(v, unsaved)
+        return fits
+
+    def session_for(self, job: m.Job) -> int:
+        """Put the job's session in place: the resident one it names, or a new one (for a
+        restore, a copy of a resident one's prefix, or a cold prefill), room made for it.
+        Returns how many of the source session's tokens a new session copies (0: none)."""
+        sess = self.sessions.get(job.session) if job.session else None
+        if sess is not None and not job.restore:
+            self.use(job.session)
+            return 0
+        for sid in [i for i, x in self.sessions.by_id.items() if not len(x) and i != job.source]:
+            self.sessions.drop(sid)          # empty sessions (the first, a failed job's) hold nothing
+        src = self.sessions.get(job.source) if job.source and not job.restore else None
+        n = job.restore_tokens + len(job.suffix) if job.restore else len(job.ids)
+        need = self.row_bytes * min(self.n_ctx, n)
+        if src is not None and not self.make_room(need, {job.source}, True, job.unsaved):
+            # no room beside its source (one session, or a full budget): the source itself
+            # goes on in place, checkpointed first like any session leaving memory
+            self.use(job.source)
+            if job.source in job.unsaved and len(src) > job.reuse and src.logits is not None:
+                self.disk.save(src, len(src), src.logits, kvfile.EVICT)
+            return 0
+        if src is None:
+            self.make_room(need, set(), True, job.unsaved)
+        self.use(self.sessions.add()[0])
+        if src is None:
+            return 0
+        r, stale = live_reuse(job.ids, job.reuse, src.tokens, src.logits is not None, self.s.chunk_size,
+                              src.can_keep)
+        if stale:
+            self.log.warning("job %s: the source session differs from the plan; cold prefill", job.rid)
+        if r:
+            self.live.copy_prefix(src, r)
+            self.frontiers[self.sid] = min(self.frontiers.get(job.source, 0), r)
+            self.trace.line(f"KV cache: session {self.sid} starts from {r} tokens of session {job.source}")
+        return r
 
     def plan(self, job: m.Job) -> int:
         """Tokens of the live session to keep: the renderer's plan if it still holds."""
@@ -170,8 +261,9 @@ class Worker:
         return r
 
     def start(self, job: m.Job) -> tuple[list[int], int]:
-        """Put the live session in place for job: (effective prompt ids, tokens reused)."""
-        if job.evict and len(self.live) > 0:
+        """Put the job's session in place: (effective prompt ids, tokens reused)."""
+        copied = self.session_for(job)
+        if job.evict and len(self.live) > 0 and not copied:
             self.disk.save(self.live, len(self.live), self.live.logits, kvfile.EVICT)
         if job.restore:
             t0 = time.perf_counter()
@@ -198,8 +290,9 @@ class Worker:
                 ids = ids[:n]
             self.send(m.Begun(rid=job.rid, cached=n, prompt_tokens=len(ids), source="disk"))
             return ids, n
-        r = self.plan(job)
+        r = copied or self.plan(job)
         self.live.truncate(r)
+        self.make_room(0, {self.sid}, False, job.unsaved)
         if self.last_frontier > r:
             self.last_frontier = 0
         self.send(m.Begun(rid=job.rid, cached=r, prompt_tokens=len(job.ids), source="live" if r else "cold"))
@@ -302,8 +395,8 @@ class Worker:
             self.live.truncate(keep - 1)        # its logits (decode rows, as when generated),
             self.live.decode(last)              # so the session can still be checkpointed
         t2 = time.perf_counter()
-        self.send(m.JobDone(rid=job.rid, reason=reason, live=tuple(self.live.tokens),
-                            keep_from=self.live.keep_from))
+        self.make_room(0, {self.sid}, False, job.unsaved)   # the session grew: others may leave
+        self.send(self.done(job.rid, reason))
         source = "disk" if job.restore and r else ("live" if r else "cold")
         self.log.info("job %s: %s, cached %d, suffix %d prefilled in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s, %s",
                       job.rid, source, r, todo, t1 - t0, todo / max(t1 - t0, 1e-9), n,
@@ -312,7 +405,9 @@ class Worker:
             metrics.M.prefill_rate.observe(todo / max(t1 - t0, 1e-9))
         if n >= 8:
             metrics.M.decode_rate.observe(n / max(t2 - t1, 1e-9))
-        metrics.M.live_tokens.set(len(self.live))
+        metrics.M.live_tokens.set(self.sessions.tokens)
+        metrics.M.live_sessions.set(len(self.sessions))
+        metrics.M.resident_bytes.set(self.sessions.nbytes)
 
 
 def run(argv=None) -> int:

@@ -1,7 +1,15 @@
-"""The reuse plan of one request, decided without sending anything: which live tokens to
-keep or which checkpoint to restore, the suffix to prefill, the save points, whether the
-live session must be evict-saved first, and what the trace should say about it. The
-renderer carries the plan out (server.dispatch); unit tests call plan_job directly."""
+"""The reuse plan of one request, decided without sending anything: which resident session
+to run in (or to start a new one from), or which checkpoint to restore, the suffix to
+prefill, the save points, which sessions must be evict-saved if they leave memory, and what
+the trace should say about it. The renderer carries the plan out (server.dispatch); unit
+tests call plan_job directly.
+
+A session is continued in place when the request keeps all of it but a few tokens
+(IN_PLACE_TAIL), or when the whole prompt lies inside it (a repeated or regenerated
+request); when it keeps only a prefix (a side request on the same system prompt, a branch),
+the request gets a new session starting from a copy of that prefix, so the conversation it
+came from stays resident and whole (inference cuts it in place only when memory holds no
+second session)."""
 from __future__ import annotations
 
 import hashlib
@@ -12,28 +20,48 @@ from common.tokenizer import TextModel
 from procs.renderer.cache import DiskIndex, evict_needed, prefix_end_tokens, save_plan
 from procs.renderer.prompt import plan_reuse, prefix_bytes
 
+IN_PLACE_TAIL = 16   # session tokens a request may drop and still run in that session
+
 
 @dataclass
 class Plan:
     ids: list[int]                  # the effective prompt ids (the cold fallback too)
-    reuse: int                      # live-session tokens to keep (inference ignores it on a restore)
+    reuse: int                      # session tokens to keep (inference ignores it on a restore)
     restore: m.IndexEntry | None    # the checkpoint to restore instead, if any
     suffix: tuple[int, ...]         # prompt tokens after the restored checkpoint's text
     saves: tuple[m.SavePoint, ...]
-    evict: bool                     # save the whole live session before replacing it
+    evict: bool                     # save the whole session before cutting it in place
     n_prompt: int                   # prompt tokens the session will hold
     cached: int                     # tokens reused, live or restored
     miss: str                       # why the disk cache had nothing (metrics), "" on a hit
     notes: list[str] = field(default_factory=list)   # trace lines
+    session: int = 0                # the resident session to run in; 0: a new one
+    source: int = 0                 # with session 0: the session whose first `reuse` tokens it copies
+    unsaved: tuple[int, ...] = ()   # resident sessions no checkpoint holds whole
 
 
-def plan_job(s, text: TextModel, n_ctx: int, index: DiskIndex, live: list[int], quant_bits: int,
-             req: m.GenerateRequest, prompt: bytes, full: list[int], keep_from: int = 0) -> Plan:
-    """keep_from: the shortest live prefix the session can be cut to (a session restored from
-    a windowed checkpoint lacks the rows below it); a shorter reuse is no reuse."""
-    ids, reuse = plan_reuse(text, prompt, full, live, s.kv_cache_min_tokens)
-    if len(ids) >= n_ctx or 0 < reuse < keep_from:   # the live-text split can tokenize longer
-        ids, reuse = full, 0
+def best_session(text: TextModel, n_ctx: int, sessions: dict[int, m.LiveSession], prompt: bytes,
+                 full: list[int], min_tokens: int, hint: int = 0) -> tuple[int, list[int], int]:
+    """(sid, effective ids, tokens kept) of the resident session with the longest usable
+    prefix of the prompt; ties go to the hinted session, then the most recently used.
+    (0, full, 0) when none has one. A session's keep_from is the shortest prefix it can be
+    cut to (one restored from a windowed checkpoint lacks the rows below it)."""
+    best = (0, full, 0)
+    for sid, ls in reversed(sessions.items()):          # most recent first
+        ids, reuse = plan_reuse(text, prompt, full, list(ls.tokens), min_tokens)
+        if len(ids) >= n_ctx or 0 < reuse < ls.keep_from:   # the live-text split can tokenize longer
+            continue
+        if reuse > best[2] or (reuse and reuse == best[2] and sid == hint):
+            best = (sid, ids, reuse)
+    return best
+
+
+def plan_job(s, text: TextModel, n_ctx: int, index: DiskIndex, sessions: dict[int, m.LiveSession],
+             quant_bits: int, req: m.GenerateRequest, prompt: bytes, full: list[int], hint: int = 0) -> Plan:
+    """sessions: the resident ones, least recently used first; hint: the session the
+    request's session_hint last ran in (0: none)."""
+    sid, ids, reuse = best_session(text, n_ctx, sessions, prompt, full, s.kv_cache_min_tokens, hint)
+    live = list(sessions[sid].tokens) if sid else []
     restore, suffix, notes = None, (), []
     sha = hashlib.sha1(prompt).hexdigest()
     if s.kv_disk_dir:
@@ -47,13 +75,18 @@ def plan_job(s, text: TextModel, n_ctx: int, index: DiskIndex, live: list[int], 
         miss = why.split(" at byte")[0] if entry is None else "shorter than the live session"
     else:
         miss = "disk cache off"
+    in_place = bool(sid) and restore is None and (len(live) - reuse <= IN_PLACE_TAIL or reuse >= len(ids))
     if restore is None and reuse:
-        notes.append(f"KV cache: live session reused for sha1={sha} ({reuse} tokens)")
+        how = f"session {sid}" if in_place else f"a copy of session {sid}'s first tokens"
+        notes.append(f"KV cache: live session reused for sha1={sha} ({reuse} tokens, {how})")
     n_prompt = restore.n_tokens + len(suffix) if restore else len(ids)
     cached = restore.n_tokens if restore else reuse
     pfx = prefix_bytes(text, req, prompt)
     pfx_tokens = prefix_end_tokens(text, ids, pfx) if pfx else 0
     saves = save_plan(s, n_prompt, cached, pfx_tokens if not restore else 0) if s.kv_disk_dir else ()
-    evict = evict_needed(s, index, text, live, 0 if restore else reuse)
-    return Plan(ids=ids, reuse=reuse, restore=restore, suffix=suffix if restore else (),
-                saves=saves, evict=evict, n_prompt=n_prompt, cached=cached, miss=miss, notes=notes)
+    evict = in_place and evict_needed(s, index, text, live, reuse)
+    unsaved = tuple(i for i, ls in sessions.items() if evict_needed(s, index, text, ls.tokens, 0))
+    return Plan(ids=ids, reuse=0 if restore else reuse, restore=restore, suffix=suffix if restore else (),
+                saves=saves, evict=evict, n_prompt=n_prompt, cached=cached, miss=miss, notes=notes,
+                session=sid if in_place else 0, source=sid if not in_place and not restore and reuse else 0,
+                unsaved=unsaved)

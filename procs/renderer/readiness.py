@@ -28,7 +28,7 @@ class Readiness:
             missing.append("the inference process (starting: loading its model)" if self.inference is None
                            else "the inference process (not answering)")
         elif self.live is None:
-            missing.append("the live session's token ids from inference")
+            missing.append("the live sessions' token ids from inference")
         if self.s.kv_disk_dir and not self.persister_boot:
             missing.append("the disk cache index from the persister")
         return "waiting for " + " and ".join(missing) if missing else ""
@@ -106,11 +106,11 @@ class Readiness:
         if ev.rid and cur is not None and ev.rid == cur.req.rid:
             # inference did not run the job: it was planned against a session it does not hold
             self.log.warning("job %s: planned against a stale live session; planning it again", ev.rid)
-            self.live, self.live_keep_from = list(ev.tokens), ev.keep_from
+            self.mirror(ev.sessions)
             self.current = None
             self.queue.appendleft(cur)
             self.dispatch()
         elif not ev.rid and not ev.busy and cur is None and self.live is None \
                 and (self.inference is None or ev.boot == self.inference.boot):
-            self.live, self.live_keep_from = list(ev.tokens), ev.keep_from
+            self.mirror(ev.sessions)
             self.keep_ready(time.monotonic())

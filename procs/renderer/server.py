@@ -45,6 +45,7 @@ JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed 
 # has begun: one it has not may wait in the socket for a restarting process (which lists it
 # in its first ping answer, or the job is failed then as lost), however long its model loads.
 INFERENCE_SILENCE_S = 20.0
+MAX_HINTS = 10_000        # session hints remembered (each names a resident session, or a gone one)
 
 
 class Renderer(Readiness, Answers):
@@ -78,8 +79,9 @@ class Renderer(Readiness, Answers):
         self.queue: collections.deque[Pending] = collections.deque()
         self.current: Pending | None = None
         self.current_since = 0.0
-        self.live: list[int] | None = None     # None: not known (ask inference: LiveQuery)
-        self.live_keep_from = 0                 # the shortest prefix of it that can be kept (JobDone)
+        # the resident sessions, least recently used first; None: not known (ask: LiveQuery)
+        self.live: dict[int, m.LiveSession] | None = None
+        self.hints: collections.OrderedDict[str, int] = collections.OrderedDict()  # session_hint -> sid
         self.inference: m.InferenceHealth | None = None
         self.last_heard = 0.0
         self.heard_at_dispatch = False
@@ -248,7 +250,7 @@ class Renderer(Readiness, Answers):
         p = self.queue.popleft()
         pl = plan_job(self.s, self.text, self.n_ctx, self.index, self.live,
                       self.inference.quant_bits if self.inference else 0, p.req, p.prompt, p.full,
-                      self.live_keep_from)
+                      self.hints.get(p.req.session_hint, 0) if p.req.session_hint else 0)
         for line in pl.notes:
             self.trace.line(line)
         p.ids, p.miss = pl.ids, pl.miss
@@ -268,7 +270,24 @@ class Renderer(Readiness, Answers):
         self.to_inference(m.Job(rid=p.req.rid, ids=tuple(pl.ids), reuse=pl.reuse, sampling=sampling,
                                 restore=r.sha1 if r else "", restore_tokens=r.n_tokens if r else 0,
                                 suffix=pl.suffix, saves=pl.saves, evict=pl.evict,
-                                run_last=p.calls is not None, constraint=p.constraint))
+                                run_last=p.calls is not None, constraint=p.constraint,
+                                session=pl.session, source=pl.source, unsaved=pl.unsaved))
+
+    # -- the mirror of inference's resident sessions --
+    def mirror(self, sessions) -> None:
+        self.live = {ls.sid: ls for ls in sessions}
+
+    def job_session(self, p, sid: int, tokens, keep_from: int, resident) -> None:
+        """After a job: its session's ids, and which sessions are resident (in LRU order)."""
+        old = self.live or {}
+        if sid:
+            old[sid] = m.LiveSession(sid=sid, tokens=tuple(tokens), keep_from=keep_from)
+        self.live = {i: old[i] for i in resident if i in old}
+        if sid and p.req.session_hint:
+            self.hints[p.req.session_hint] = sid
+            self.hints.move_to_end(p.req.session_hint)
+            while len(self.hints) > MAX_HINTS:
+                self.hints.popitem(last=False)
 
     # -- inference events --
     def on_event(self, ev) -> None:
@@ -317,12 +336,12 @@ class Renderer(Readiness, Answers):
         elif isinstance(ev, m.JobDone):
             if not p.finished:     # cancelled by inference itself (shutdown)
                 self.finish(p, "length" if ev.reason == "length" else "stop")
-            self.live, self.live_keep_from = list(ev.live), ev.keep_from
+            self.job_session(p, ev.session, ev.live, ev.keep_from, ev.resident)
             self.current = None
             self.dispatch()
         elif isinstance(ev, m.JobError):
             self.fail(p, 500, ev.message, err_type="server_error")
-            self.live, self.live_keep_from = list(ev.live), 0
+            self.job_session(p, ev.session, ev.live, 0, ev.resident)
             self.current = None
             self.dispatch()
 

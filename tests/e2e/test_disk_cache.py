@@ -44,6 +44,7 @@ CACHE_ENV = {
     "RICORDO_KV_CACHE_BOUNDARY_ALIGN_TOKENS": "32",
     "RICORDO_KV_CACHE_BOUNDARY_TRIM_TOKENS": "4",
     "RICORDO_KV_CACHE_CONTINUED_INTERVAL_TOKENS": "64",
+    "RICORDO_MAX_LIVE_SESSIONS": "1",   # one resident session: conversations come back from disk
 }
 MIN_TOKENS = 32
 

@@ -40,8 +40,9 @@ openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 
+# one resident session: each exchange evicts the other's to disk, which these tests read back
 CACHE_ENV = {"RICORDO_KV_CACHE_MIN_TOKENS": "32", "RICORDO_KV_CACHE_BOUNDARY_ALIGN_TOKENS": "32",
-             "RICORDO_KV_CACHE_BOUNDARY_TRIM_TOKENS": "4"}
+             "RICORDO_KV_CACHE_BOUNDARY_TRIM_TOKENS": "4", "RICORDO_MAX_LIVE_SESSIONS": "1"}
 CALL_TOKENS = 40            # room for the small model to close its call
 CITIES = ("Tokyo", "London", "Berlin", "Oslo", "Madrid", "Cairo", "Paris", "Lima", "Rome")
 EXAMPLE = ('You answer by calling a tool. Example call:\n<tool_call>\n'

@@ -21,6 +21,11 @@ def setup(text_model, n_words=200, **kw):
     return s, ix, prompt, text_model.encode(prompt)
 
 
+def one(live, keep_from=0) -> dict[int, m.LiveSession]:
+    """The resident sessions as the renderer mirrors them: live as session 1 (none if empty)."""
+    return {1: m.LiveSession(sid=1, tokens=tuple(live), keep_from=keep_from)} if live else {}
+
+
 def entry(text_model, text: bytes) -> m.IndexEntry:
     return m.IndexEntry(sha1=sha1(text), text_len=len(text), n_tokens=len(text_model.encode(text)),
                         quant_bits=4, ctx_size=8192, size=1, last_used=0)
@@ -30,9 +35,9 @@ def test_live_session_prefix_is_kept(text_model):
     s, ix, prompt, full = setup(text_model)
     ix.update(m.IndexSnapshot(entries=(), version=1))
     live = full[:100]
-    pl = plan_job(s, text_model, 8192, ix, live, 4, CHAT, prompt, full)
+    pl = plan_job(s, text_model, 8192, ix, one(live), 4, CHAT, prompt, full)
     assert (pl.reuse, pl.restore, pl.cached, pl.n_prompt) == (100, None, 100, len(full))
-    assert pl.ids == full and not pl.evict
+    assert pl.ids == full and not pl.evict and (pl.session, pl.source) == (1, 0)
     assert pl.miss == "no checkpoints" and any("live session reused" in n for n in pl.notes)
 
 
@@ -42,8 +47,8 @@ def test_live_prefix_shorter_than_keep_from_is_not_reused(text_model):
     s, ix, prompt, full = setup(text_model)
     ix.update(m.IndexSnapshot(entries=(), version=1))
     live = full[:100] + [7, 7, 7]
-    assert plan_job(s, text_model, 8192, ix, live, 4, CHAT, prompt, full, keep_from=100).reuse == 100
-    pl = plan_job(s, text_model, 8192, ix, live, 4, CHAT, prompt, full, keep_from=101)
+    assert plan_job(s, text_model, 8192, ix, one(live, 100), 4, CHAT, prompt, full).reuse == 100
+    pl = plan_job(s, text_model, 8192, ix, one(live, 101), 4, CHAT, prompt, full)
     assert (pl.reuse, pl.cached, pl.ids) == (0, 0, full)
 
 
@@ -52,21 +57,49 @@ def test_longer_checkpoint_beats_the_live_session(text_model):
     cut = prompt.index(b" w150")
     e = entry(text_model, prompt[:cut])
     ix.update(m.IndexSnapshot(entries=(e,), version=1))
-    live = full[:50] + [7, 7, 7]          # diverges after 50 tokens: evict-saved before the restore
-    pl = plan_job(s, text_model, 8192, ix, live, 4, CHAT, prompt, full)
+    live = full[:50] + [7, 7, 7]          # diverges after 50 tokens: evict-saved if it leaves memory
+    pl = plan_job(s, text_model, 8192, ix, one(live), 4, CHAT, prompt, full)
     assert pl.restore == e and pl.cached == e.n_tokens
     assert text_model.piece_bytes(pl.suffix) == prompt[cut:]
     assert pl.n_prompt == e.n_tokens + len(pl.suffix)
-    assert pl.evict
+    assert pl.unsaved == (1,) and (pl.session, pl.source) == (0, 0)   # the restore gets a new session
 
 
 def test_cold_and_disk_off(text_model):
     s, ix, prompt, full = setup(text_model)
     ix.update(m.IndexSnapshot(entries=(), version=1))
-    pl = plan_job(s, text_model, 8192, ix, [], 4, CHAT, prompt, full)
+    pl = plan_job(s, text_model, 8192, ix, one([]), 4, CHAT, prompt, full)
     assert (pl.reuse, pl.cached, pl.restore) == (0, 0, None) and pl.miss == "no checkpoints"
     assert [p.pos for p in pl.saves] and all(p.pos <= len(full) for p in pl.saves)   # a cold save
     assert any("miss for sha1=" in n for n in pl.notes)
     off = Settings(kv_disk_dir="")
-    pl = plan_job(off, text_model, 8192, DiskIndex(off, Trace("", "renderer")), [], 4, CHAT, prompt, full)
-    assert pl.miss == "disk cache off" and pl.saves == () and not pl.evict
+    pl = plan_job(off, text_model, 8192, DiskIndex(off, Trace("", "renderer")), one([]), 4, CHAT, prompt, full)
+    assert pl.miss == "disk cache off" and pl.saves == () and not pl.evict and not pl.unsaved
+
+
+def test_a_side_request_gets_a_copy_and_the_conversation_stays_whole(text_model):
+    """A request that shares only a prefix of a resident session (a side request on the same
+    system prompt) runs in a new session starting from a copy of that prefix; a request that
+    continues a session runs in it; a session no checkpoint holds is named unsaved."""
+    s, ix, prompt, full = setup(text_model)
+    ix.update(m.IndexSnapshot(entries=(), version=1))
+    long = full[:150] + [7] * 50                        # the conversation: 150 shared, then its own
+    sessions = {1: m.LiveSession(sid=1, tokens=tuple(long)), 2: m.LiveSession(sid=2, tokens=tuple(full[:20]))}
+    pl = plan_job(s, text_model, 8192, ix, sessions, 4, CHAT, prompt, full)
+    assert (pl.session, pl.source, pl.reuse, pl.cached) == (0, 1, 150, 150)
+    assert pl.unsaved == (1, 2) and not pl.evict
+    grown = {**sessions, 3: m.LiveSession(sid=3, tokens=tuple(full[:190]))}
+    pl = plan_job(s, text_model, 8192, ix, grown, 4, CHAT, prompt, full)
+    assert (pl.session, pl.source, pl.reuse) == (3, 0, 190)    # a continuation: in place
+    near = {1: m.LiveSession(sid=1, tokens=tuple(full[:190] + [7] * 4))}
+    pl = plan_job(s, text_model, 8192, ix, near, 4, CHAT, prompt, full)
+    assert (pl.session, pl.reuse) == (1, 190)           # a tail under min_tokens is cut in place
+
+
+def test_ties_go_to_the_hinted_session_then_the_most_recent(text_model):
+    s, ix, prompt, full = setup(text_model)
+    ix.update(m.IndexSnapshot(entries=(), version=1))
+    a, b = tuple(full[:100] + [7] * 30), tuple(full[:100] + [8] * 30)
+    sessions = {4: m.LiveSession(sid=4, tokens=a), 9: m.LiveSession(sid=9, tokens=b)}   # 9 most recent
+    assert plan_job(s, text_model, 8192, ix, sessions, 4, CHAT, prompt, full).source == 9
+    assert plan_job(s, text_model, 8192, ix, sessions, 4, CHAT, prompt, full, hint=4).source == 4

@@ -87,9 +87,9 @@ def test_a_request_before_the_index_waits_and_then_restores_the_checkpoint(rende
     assert not h.ready and "inference" in h.detail and "index" in h.detail and h.holds is False
     inference_up(r)
     assert not health(r).ready and "live session" in health(r).detail
-    r.on_event(m.LiveState(rid="", boot="inf-1", tokens=(5, 6), busy=True))    # mid-job: not trusted
+    r.on_event(m.LiveState(rid="", boot="inf-1", sessions=(m.LiveSession(sid=1, tokens=(5, 6)),), busy=True))    # mid-job: not trusted
     assert r.live is None
-    r.on_event(m.LiveState(rid="", boot="inf-1", tokens=()))
+    r.on_event(m.LiveState(rid="", boot="inf-1", sessions=()))
     h = health(r)
     assert not h.ready and h.detail == "waiting for the disk cache index from the persister"
     assert not r.out.of("inference", m.Job)
@@ -105,13 +105,13 @@ def test_a_job_planned_against_a_stale_live_session_is_planned_again(renderer):
     checkpoint = r.text.bos_text() + PROMPT[:80].encode()
     inference_up(r)
     live = r.text.encode(r.text.bos_text() + PROMPT.encode())
-    r.on_event(m.LiveState(rid="", boot="inf-1", tokens=tuple(live)))
+    r.on_event(m.LiveState(rid="", boot="inf-1", sessions=(m.LiveSession(sid=1, tokens=tuple(live)),)))
     r.on_event(m.PersisterState(boot="p-1", index=m.IndexSnapshot(entries=(entry_for(r, checkpoint),), version=1)))
     request(r, "b", PROMPT + " And bicycles?")
     first = r.out.of("inference", m.Job)[-1]
     assert first.rid == "b" and first.reuse > 0 and not first.restore     # the live session is longer
     # a restarted inference does not hold that session: it sends the job back with what it holds
-    r.on_event(m.LiveState(rid="b", boot="inf-2", tokens=()))
+    r.on_event(m.LiveState(rid="b", boot="inf-2", sessions=()))
     again = r.out.of("inference", m.Job)[-1]
     assert again is not first and again.rid == "b" and again.reuse == 0
     assert again.restore == hashlib.sha1(checkpoint).hexdigest()
@@ -120,17 +120,17 @@ def test_a_job_planned_against_a_stale_live_session_is_planned_again(renderer):
 def test_an_inference_restart_makes_the_live_session_unknown(renderer):
     r = renderer
     inference_up(r)
-    r.on_event(m.LiveState(rid="", boot="inf-1", tokens=(1, 2, 3)))
+    r.on_event(m.LiveState(rid="", boot="inf-1", sessions=(m.LiveSession(sid=1, tokens=(1, 2, 3)),)))
     r.on_event(m.PersisterState(boot="p-1", index=m.IndexSnapshot(entries=(), version=1)))
-    assert health(r).ready and r.live == [1, 2, 3]
+    assert health(r).ready and r.live[1].tokens == (1, 2, 3)
     inference_up(r, boot="inf-2")
     assert r.live is None and not health(r).ready
     request(r, "c")
     assert isinstance(r.out.web[-1], m.Waiting)
-    r.on_event(m.LiveState(rid="", boot="inf-1", tokens=(1, 2, 3)))   # the old process's answer
+    r.on_event(m.LiveState(rid="", boot="inf-1", sessions=(m.LiveSession(sid=1, tokens=(1, 2, 3)),)))   # the old process's answer
     assert r.live is None
-    r.on_event(m.LiveState(rid="", boot="inf-2", tokens=()))
-    assert r.live == [] and r.out.of("inference", m.Job)[-1].rid == "c"
+    r.on_event(m.LiveState(rid="", boot="inf-2", sessions=()))
+    assert r.live == {} and r.out.of("inference", m.Job)[-1].rid == "c"
 
 
 def test_tool_ids_travel_both_ways(renderer):
@@ -181,7 +181,7 @@ def test_a_long_prefill_chunk_does_not_make_the_server_unready(renderer):
     seconds, more than the idle freshness window. While a job runs, the window is longer."""
     r = renderer
     inference_up(r)
-    r.on_event(m.LiveState(rid="", boot="inf-1", tokens=()))
+    r.on_event(m.LiveState(rid="", boot="inf-1", sessions=()))
     r.on_event(m.PersisterState(boot="p-1", index=m.IndexSnapshot(entries=(), version=1)))
     request(r, "long")
     assert r.current is not None and r.current.req.rid == "long"
