@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from procs.inference.loader import LoadedWeights
 from procs.inference.moe import MoE
-from procs.inference.linear import PACKED_MAX_ROWS, Linear, fuse, pack_source
+from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
 from procs.inference.native import MAT_Q4, MAT_Q8
 
 
@@ -183,8 +183,8 @@ class Llama:
 
         def mm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             if pad_to:   # one GEMM shape whatever the row count (at most T)
-                return F.linear(F.pad(h, (0, 0, 0, pad_to - h.shape[0])), w)[:h.shape[0]]
-            return F.linear(h, w)
+                return dense(F.pad(h, (0, 0, 0, pad_to - h.shape[0])), w)[:h.shape[0]]
+            return dense(h, w)
 
         def lin(f: Linear, h: torch.Tensor) -> torch.Tensor:
             return mm(h, f.w) if pad_to else f(h)
@@ -349,8 +349,14 @@ class KVSession:
         held = min(len(self.tokens), self.k.shape[2])
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = torch.zeros(old.shape[:2] + (cap, old.shape[3]), dtype=old.dtype, device=old.device)
+            # empty, not zeros: rows past the length are never read (a windowed layer's rows
+            # below its floor neither), so their pages stay untouched and cost no memory
+            # until written; exact mode's attention reads whole padded chunks, masked, and
+            # garbage there could be NaN (0 x NaN): zeroed
+            new = torch.empty(old.shape[:2] + (cap, old.shape[3]), dtype=old.dtype, device=old.device)
             new[:, :, :held] = old[:, :, :held]
+            if self.exact:
+                new[:, :, held:].zero_()
             setattr(self, name, new)
 
     def copy_prefix(self, src: "KVSession", n: int) -> None:
