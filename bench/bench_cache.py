@@ -322,7 +322,7 @@ def restore_speed(path: str, n_runs: int) -> dict:
     from common import kvfile
     from common.config import Settings
     from procs.inference.disk import Disk
-    from procs.inference.model import KVSession
+    from procs.inference.kvsession import KVSession
     from procs.inference.runtime import build
     cache_dir = os.path.dirname(path)
     sha1 = os.path.basename(path)[:-3]
@@ -382,7 +382,7 @@ def make_checkpoint(n_tokens: int, out_dir: str) -> str:
     from common import kvfile
     from common.config import Settings
     from procs.inference.disk import Disk
-    from procs.inference.model import KVSession
+    from procs.inference.kvsession import KVSession
     from procs.inference.runtime import build
     from procs.persister.store import Store
     from shm.slots import read_slot
@@ -439,7 +439,7 @@ def generation_during_write(path: str, decode_tokens: int, rounds: int) -> dict:
     import torch
     from common.config import Settings
     from procs.inference.disk import Disk
-    from procs.inference.model import KVSession
+    from procs.inference.kvsession import KVSession
     from procs.inference.runtime import build
     cache_dir = os.path.dirname(path)
     sha1 = os.path.basename(path)[:-3]

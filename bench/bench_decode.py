@@ -32,7 +32,8 @@ from common.config import Settings  # noqa: E402
 from common.models import resolve  # noqa: E402
 from procs.inference import native  # noqa: E402
 from procs.inference.loader import load  # noqa: E402
-from procs.inference.model import KVSession, Llama, _decode_attention  # noqa: E402
+from procs.inference.model import Llama, _decode_attention  # noqa: E402
+from procs.inference.kvsession import KVSession  # noqa: E402
 from procs.inference.runtime import pick_dtype  # noqa: E402
 
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from common.config import Settings  # noqa: E402
-from procs.inference.model import KVSession  # noqa: E402
+from procs.inference.kvsession import KVSession  # noqa: E402
 from procs.inference.runtime import build  # noqa: E402
 
 CASES = [(0, 16), (0, 200), (0, 2048), (2048, 16), (2048, 200), (7680, 16), (7680, 200)]

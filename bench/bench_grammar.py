@@ -30,7 +30,7 @@ from common.config import Settings  # noqa: E402
 from common.models import load_text, resolve  # noqa: E402
 from common import messages as m  # noqa: E402
 from procs.inference.guide import Guides  # noqa: E402
-from procs.inference.model import KVSession  # noqa: E402
+from procs.inference.kvsession import KVSession  # noqa: E402
 from procs.inference.runtime import build, describe  # noqa: E402
 from procs.inference.sampling import Sampler  # noqa: E402
 from procs.renderer import grammar  # noqa: E402

@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from common.config import Settings  # noqa: E402
-from procs.inference.model import KVSession, Llama  # noqa: E402
+from procs.inference.model import Llama  # noqa: E402
+from procs.inference.kvsession import KVSession  # noqa: E402
 from procs.inference.runtime import build  # noqa: E402
 from common.models import resolve  # noqa: E402
 from bench.report import emit, log  # noqa: E402
@@ -277,7 +278,7 @@ _PEAK = "print(next(int(ln.split()[1]) for ln in open('/proc/self/status') if ln
 RSS_CHILD = {
     "ricordo": ("import sys, random; sys.path.insert(0, sys.argv[5]); "
                 "from common.config import Settings; from procs.inference.runtime import build; "
-                "from procs.inference.model import KVSession; "
+                "from procs.inference.kvsession import KVSession; "
                 "m, ctx, _ = build(Settings.load('inference', ['--model', sys.argv[1], '--ctx-size', sys.argv[2], "
                 "'--threads', sys.argv[3], '--dtype', sys.argv[6]])); r = random.Random(0); "
                 "s = KVSession(m, ctx, 512); s.prefill([r.randrange(100, 40000) for _ in range(int(sys.argv[4]))]); "

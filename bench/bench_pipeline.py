@@ -118,7 +118,7 @@ class InProcess:
         from common.config import Settings
         from common.messages import SamplingParams
         from common.models import load_text, resolve
-        from procs.inference.model import KVSession
+        from procs.inference.kvsession import KVSession
         from procs.inference.runtime import build
         from procs.inference.sampling import Sampler
         s = Settings.load("inference", [])

@@ -47,7 +47,7 @@ def _generate(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from common.detok import Detokenizer
-    from procs.inference.model import KVSession
+    from procs.inference.kvsession import KVSession
     from procs.inference.sampling import Sampler
 
     prompt = a.prompt

@@ -18,7 +18,7 @@ import torch
 
 from common import kvfile
 from common import messages as m
-from procs.inference.model import KVSession
+from procs.inference.kvsession import KVSession
 from shm.slots import SEQ_BYTES, SlotPool, body_bytes
 
 KV_DTYPES = {torch.float32: kvfile.KV_F32, torch.bfloat16: kvfile.KV_BF16, torch.float16: kvfile.KV_F16}

@@ -27,7 +27,7 @@ from common.trace import Trace
 from common.models import load_text, resolve
 from procs.inference.disk import Disk, RestoreError
 from procs.inference.guide import Guides
-from procs.inference.model import KVSession
+from procs.inference.kvsession import KVSession
 from procs.inference.plan import live_reuse, prompt_saves
 from procs.inference.runtime import build, explain
 from procs.inference.sampling import Sampler

@@ -16,7 +16,7 @@ from typing import Callable
 import psutil
 
 from common import messages as m
-from procs.inference.model import KVSession
+from procs.inference.kvsession import KVSession
 
 # Without --kv-ram-space-mb: this share of the memory available when inference starts.
 RAM_SHARE = 0.25

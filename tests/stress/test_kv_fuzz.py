@@ -31,7 +31,7 @@ from common import kvfile as kf                                       # noqa: E4
 from common import messages as m                                      # noqa: E402
 from common.config import Settings                                    # noqa: E402
 from procs.inference.disk import Disk, RestoreError                   # noqa: E402
-from procs.inference.model import KVSession                           # noqa: E402
+from procs.inference.kvsession import KVSession                           # noqa: E402
 from procs.persister.server import CORRUPT                            # noqa: E402
 from procs.persister.store import Store                               # noqa: E402
 from common.trace import Trace                                        # noqa: E402

@@ -24,7 +24,8 @@ gguf = pytest.importorskip("gguf")
 from procs.inference.archs import ModelLoadError, gguf_rope, hf_rope, llama3_factors  # noqa: E402
 from procs.inference.loader import fingerprint, load  # noqa: E402
 from procs.inference import native  # noqa: E402
-from procs.inference.model import KVSession, Llama  # noqa: E402
+from procs.inference.model import Llama  # noqa: E402
+from procs.inference.kvsession import KVSession  # noqa: E402
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 320, 64, 128, 2, 4, 2, 16
 PROMPT, GREEDY, MAX_POS = 40, 64, 128

@@ -86,7 +86,7 @@ def greedy(sess, steps: int):
 
 def test_disk_save_restore_bit_exact(model_bf16, text_model, harness):
     import torch
-    from procs.inference.model import KVSession
+    from procs.inference.kvsession import KVSession
     model = model_bf16
     ids = conversation_ids(text_model, 70)
     live = KVSession(model, N_CTX, CHUNK)
@@ -132,7 +132,7 @@ def test_disk_save_restore_bit_exact(model_bf16, text_model, harness):
 
 def test_disk_restore_rejects(model_bf16, text_model, harness):
     from procs.inference.disk import RestoreError
-    from procs.inference.model import KVSession
+    from procs.inference.kvsession import KVSession
     ids = conversation_ids(text_model, 40)
     live = KVSession(model_bf16, N_CTX, CHUNK)
     live.prefill(ids)

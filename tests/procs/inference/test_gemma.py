@@ -20,7 +20,8 @@ import torch
 from common.config import Settings
 from common.models import ModelError, resolve
 from procs.inference.loader import load
-from procs.inference.model import KVSession, Llama
+from procs.inference.model import Llama
+from procs.inference.kvsession import KVSession
 from procs.inference.runtime import DTYPES
 
 VECTORS = os.path.join(os.path.dirname(__file__), "..", "..", "data", "gemma3-270m-q4_k_m.json")

@@ -14,7 +14,7 @@ import torch
 from common.messages import SamplingParams
 from common.params import ParamError, validate_sampling
 from procs.inference.loader import ModelLoadError, load
-from procs.inference.model import KVSession
+from procs.inference.kvsession import KVSession
 from procs.inference.native import MAT_BF16, MAT_F32, MAT_Q4
 from procs.inference.runtime import pick_dtype
 from procs.inference.sampling import Sampler

@@ -132,7 +132,8 @@ def test_native_step_is_torch_step(model_path):
     weights: the same logits to f32 rounding, step after step (the K/V rows it writes are
     read back by the next steps)."""
     from procs.inference.loader import load
-    from procs.inference.model import KVSession, Llama
+    from procs.inference.model import Llama
+    from procs.inference.kvsession import KVSession
     a = Llama(load(model_path, torch.float32, "cpu"), 1024, packed=False, kernels=native.load())
     b = Llama(load(model_path, torch.float32, "cpu"), 1024, packed=False)
     assert a.decoder is not None and b.decoder is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from procs.inference.model import KVSession
+from procs.inference.kvsession import KVSession
 from procs.inference.sessions import Sessions
 
 CTX, CHUNK = 2048, 128

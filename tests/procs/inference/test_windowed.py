@@ -20,7 +20,8 @@ from common import kvfile as kf  # noqa: E402
 from common.config import Settings  # noqa: E402
 from common.trace import Trace  # noqa: E402
 from procs.inference.loader import load  # noqa: E402
-from procs.inference.model import KVSession, Llama  # noqa: E402
+from procs.inference.model import Llama  # noqa: E402
+from procs.inference.kvsession import KVSession  # noqa: E402
 from procs.inference.plan import live_reuse  # noqa: E402
 from tests.helpers import LOG, sha1  # noqa: E402
 from tests.procs.inference.test_architectures import VOCAB, _hf_model  # noqa: E402

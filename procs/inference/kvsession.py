@@ -1,0 +1,208 @@
+"""One sequence's K/V, token ids and next-token logits: what a conversation holds in memory.
+Prefill runs in chunks whose ends are absolute multiples of the chunk size (Llama.forward
+computes them); a session grows its rows as it fills (reserve) and can be truncated,
+copied from another session's prefix, exported to and imported from a checkpoint."""
+from __future__ import annotations
+
+import torch
+
+from procs.inference.model import Llama
+
+
+class KVSession:
+    """One sequence's K/V for the whole context, its token ids, and the next-token logits.
+
+    Every layer keeps full-length K/V, so a session computed here can be truncated to any
+    prefix. A restored checkpoint of n tokens brings a sliding-window layer only its last
+    min(n, W) rows: that layer then holds no rows below its floor n - min(n, W), and the
+    session may only be truncated to lengths whose next query sees no key below a floor
+    (can_keep). A truncate to 0 forgets the floors; prefills never move them."""
+
+    def __init__(self, model: Llama, n_ctx: int, chunk: int, exact: bool = False):
+        """exact: prefill rows are bit-identical however a prompt is split between cache and
+        prefill (Llama.forward's pad_to); decode keeps its fast kernels, so rows it appends
+        are not those a prefill computes (the server prefills them again after each answer)."""
+        c = model.cfg
+        self.exact = exact
+        if n_ctx > model.max_context:
+            raise ValueError(f"context {n_ctx} exceeds the rotary table ({model.max_context})")
+        self.model, self.n_ctx, self.chunk = model, n_ctx, chunk
+        self.max_cap = -(-n_ctx // chunk) * chunk if exact else n_ctx     # exact attention reads whole chunks
+        # rows are allocated as the session grows (reserve), so a short conversation kept
+        # resident costs its own length, not the whole context
+        shape = (c.n_layers, c.n_kv_heads, 0, c.head_dim)
+        self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.tokens: list[int] = []
+        self.logits: torch.Tensor | None = None   # float32 [V], after the last token
+        self.windows = list(c.windows) if c.windows else [0] * c.n_layers   # 0: a global layer
+        self.floors = [0] * c.n_layers   # per layer: the first position it holds rows for
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the session's K/V rows take (its capacity, not only its length)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def capacity_for(self, n: int) -> int:
+        """The capacity reserve(n) grows to: whole chunks, at least double the current one
+        (so a growing session is copied O(log n) times), at most the context."""
+        cap = self.k.shape[2]
+        if n <= cap:
+            return cap
+        return min(self.max_cap, max(-(-n // self.chunk) * self.chunk, 2 * cap))
+
+    def reserve(self, n: int) -> None:
+        """Room for n rows (exact mode: for the whole chunk holding row n - 1)."""
+        if self.exact:
+            n = -(-n // self.chunk) * self.chunk
+        if n > self.max_cap:
+            raise ValueError(f"{n} rows exceed the context of {self.n_ctx}")
+        cap = self.capacity_for(n)
+        if cap == self.k.shape[2]:
+            return
+        held = min(len(self.tokens), self.k.shape[2])
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            # empty, not zeros: rows past the length are never read (a windowed layer's rows
+            # below its floor neither), so their pages stay untouched and cost no memory
+            # until written; exact mode's attention reads whole padded chunks, masked, and
+            # garbage there could be NaN (0 x NaN): zeroed
+            new = torch.empty(old.shape[:2] + (cap, old.shape[3]), dtype=old.dtype, device=old.device)
+            new[:, :, :held] = old[:, :, :held]
+            if self.exact:
+                new[:, :, held:].zero_()
+            setattr(self, name, new)
+
+    def copy_prefix(self, src: "KVSession", n: int) -> None:
+        """Become the first n tokens of src (another session of the same model): its rows
+        copied, so either can then go on alone. The logits are unknown (None)."""
+        if not src.can_keep(n):
+            raise ValueError(f"cannot keep {n} tokens of the source session")
+        self.truncate(0)
+        self.reserve(n)
+        self.k[:, :, :n] = src.k[:, :, :n]
+        self.v[:, :, :n] = src.v[:, :, :n]
+        self.floors = list(src.floors)
+        self.tokens = list(src.tokens[:n])
+        self.logits = src.logits.clone() if n == len(src.tokens) and src.logits is not None else None
+
+    @property
+    def window_floor(self) -> int:
+        """The first position every layer holds rows for (0 unless restored from a windowed
+        checkpoint)."""
+        return max(self.floors)
+
+    def can_keep(self, k: int) -> bool:
+        """Whether truncating to k tokens leaves a correct session: the next query (position
+        k) of each windowed layer sees keys max(0, k - W + 1) .. k - 1, which that layer must
+        hold."""
+        k = min(k, len(self.tokens))
+        return k == 0 or all(max(0, k - w + 1) >= f for w, f in zip(self.windows, self.floors) if w)
+
+    @property
+    def keep_from(self) -> int:
+        """The shortest prefix > 0 that can_keep (0: every prefix), for the renderer's plan."""
+        return max((f + w - 1 for w, f in zip(self.windows, self.floors) if w and f), default=0)
+
+    def rows(self, n: int) -> list[int]:
+        """Rows per layer a checkpoint of n tokens holds (common.geometry.Geometry.rows)."""
+        return [min(n, w) if w else n for w in self.windows]
+
+    def can_export(self, n: int) -> bool:
+        """Whether the session holds every row a checkpoint of its first n tokens stores."""
+        return 0 <= n <= len(self.tokens) and all(n - r >= f for r, f in zip(self.rows(n), self.floors))
+
+    def boundaries(self, start: int, end: int, split_at=()) -> list[int]:
+        """Chunk ends from start to end: absolute multiples of chunk, plus split_at."""
+        ends = set(range((start // self.chunk + 1) * self.chunk, end, self.chunk))
+        ends |= {p for p in split_at if start < p < end}
+        ends.add(end)
+        return sorted(ends)
+
+    def prefill(self, ids: list[int], logits_at=(), split_at=(), on_chunk=None,
+                _decode: bool = False) -> dict[int, torch.Tensor]:
+        """Append ids. Returns {n: logits after the first n tokens} for each n in logits_at
+        within the new span; self.logits is the logits after the last token."""
+        start = len(self.tokens)
+        end = start + len(ids)
+        if end > self.n_ctx:
+            raise ValueError(f"{end} tokens exceed the context of {self.n_ctx}")
+        if not ids:
+            return {}
+        self.reserve(end)
+        want = {n for n in logits_at if start < n <= end} | {end}
+        out, lo = {}, start
+        dev = self.model.device
+        for hi in self.boundaries(start, end, split_at):
+            chunk_ids = torch.tensor(ids[lo - start:hi - start], dtype=torch.long, device=dev)
+            need = sorted(n for n in want if lo < n <= hi)
+            logits = self.model.forward(chunk_ids, lo, self.k, self.v, [n - lo - 1 for n in need],
+                                        pad_to=self.chunk if self.exact and not _decode else 0)
+            for n, row in zip(need, logits):
+                out[n] = row
+            self.tokens.extend(ids[lo - start:hi - start])
+            lo = hi
+            if on_chunk is not None:
+                on_chunk(hi - start, end - start)
+        self.logits = out[end]
+        return {n: v for n, v in out.items() if n in logits_at}
+
+    def decode(self, token: int) -> torch.Tensor:
+        self.prefill([token], _decode=True)
+        return self.logits
+
+    def truncate(self, k: int) -> None:
+        """Keep the first k tokens. Logits are unknown until a token is prefilled (None).
+        Raises ValueError for a k the session cannot keep (can_keep)."""
+        if k <= 0:
+            self.floors = [0] * len(self.floors)
+        elif not self.can_keep(k):
+            raise ValueError(f"cannot keep {k} tokens: windowed layers hold no rows below "
+                             f"{self.window_floor}")
+        if k < len(self.tokens):
+            del self.tokens[k:]
+            self.logits = None
+
+    def export(self, n: int | None = None):
+        """(tokens, K, V) of the first n tokens, copies: K and V are [layers, n, KV, D] for a
+        model without windowed layers, else lists per layer of [rows(n)[l], KV, D] (the
+        layer's last rows, positions n - rows .. n - 1)."""
+        n = len(self.tokens) if n is None else n
+        if not any(self.windows):
+            k = self.k[:, :, :n].transpose(1, 2).contiguous()
+            v = self.v[:, :, :n].transpose(1, 2).contiguous()
+            return list(self.tokens[:n]), k, v
+        if not self.can_export(n):
+            raise ValueError(f"the session does not hold the rows of a checkpoint of {n} tokens")
+        rows = self.rows(n)
+        k = [self.k[i, :, n - r:n].transpose(0, 1).contiguous() for i, r in enumerate(rows)]
+        v = [self.v[i, :, n - r:n].transpose(0, 1).contiguous() for i, r in enumerate(rows)]
+        return list(self.tokens[:n]), k, v
+
+    def import_(self, tokens: list[int], logits: torch.Tensor | None, k, v) -> None:
+        """Replace the session by a checkpoint: K and V [layers, n, KV, D], or per layer
+        [rows, KV, D] holding the layer's last rows (a global layer all n, a windowed one at
+        least min(n, W)). The layers' floors follow from the rows."""
+        n = len(tokens)
+        if n > self.n_ctx:
+            raise ValueError("checkpoint larger than the context")
+        rows = [x.shape[0] for x in k]
+        need = self.rows(n)
+        if len(rows) != len(need) or [x.shape[0] for x in v] != rows or \
+                any(not need_l <= r <= n for r, need_l in zip(rows, need)):
+            raise ValueError(f"checkpoint rows {rows} for {n} tokens; the model needs {need}")
+        self.truncate(0)
+        self.reserve(n)
+        if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):   # all n rows: one copy
+            self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
+            self.v[:, :, :n] = v.to(self.v.device, self.v.dtype).transpose(1, 2)
+        else:
+            for i, r in enumerate(rows):
+                self.k[i, :, n - r:n] = k[i].to(self.k.device, self.k.dtype).transpose(0, 1)
+                self.v[i, :, n - r:n] = v[i].to(self.v.device, self.v.dtype).transpose(0, 1)
+        self.floors = [n - r for r in rows]
+        self.tokens = list(tokens)
+        self.logits = None if logits is None else logits.to(self.model.device, torch.float32).clone()
