@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
+_U64 = struct.Struct("<Q")
 
 # metadata value types -> struct format (strings=8, arrays=9 handled apart)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -115,8 +116,27 @@ class GGUFFile:
                 dt = np.dtype(_NP[etype])
                 arr = np.frombuffer(self._take(count * dt.itemsize), dtype=dt)
                 return arr
+            if etype == 8:
+                return self._strings(count)
             return [self._value(etype) for _ in range(count)]
         raise GGUFError(f"{self.path}: unknown metadata type {vtype}")
+
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary, its merges) in one tight loop: a GGUF's 262k
+        tokens took 2 s through _string, ~0.1 s here."""
+        mm, p, end, out = self.mm, self.pos, len(self.mm), []
+        length = _U64.unpack_from
+        for _ in range(count):
+            if p + 8 > end:
+                raise GGUFError(f"{self.path}: truncated header")
+            (n,) = length(mm, p)
+            p += 8
+            if p + n > end:
+                raise GGUFError(f"{self.path}: truncated header")
+            out.append(mm[p:p + n].decode("utf-8", errors="replace"))
+            p += n
+        self.pos = p
+        return out
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a uint8 view into the mmap (no copy)."""
