@@ -154,3 +154,21 @@ def test_native_step_is_torch_step(model_path):
         assert mine[:, :, new].abs().amax(dim=-1).min().item() > 0
     # the embedding table is untouched by the step (it writes into its own copy of the row)
     assert torch.equal(a.embed, b.embed)
+
+
+def test_packs_past_f16_range_are_refused():
+    """Scales, mins and int8 scales are stored in f16: a weight whose values do not fit is
+    not packed (the dense weight, or None for parts alone), never packed as inf or NaN."""
+    n, k = 4, 64
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale, mn = torch.full((n, k // 32), 0.5), torch.zeros(n, k // 32)
+    assert native.pack(None, (q, scale, mn)).kind == native.MAT_Q4
+    for bad in (1e6, float("nan"), float("inf")):
+        big = scale.clone()
+        big[1, 1] = bad
+        assert native.pack(None, (q, big, mn)) is None
+    w = torch.randn(n, k)
+    assert native.pack(w, int8=True).kind == native.MAT_Q8
+    w[2, 5] = 1e9                                   # scale 1e9/127, past f16
+    p = native.pack(w, int8=True)
+    assert p.kind == native.MAT_F32 and p.w is not None
