@@ -61,7 +61,7 @@ ID_RE = re.compile(r"call_[0-9a-f]{32}")
 TOOL_LINE = re.compile(r"request (\w+): tool calls: (\d+) replayed from memory, (\d+) from disk, "
                        r"(\d+) rendered from JSON \((\d+) ids unknown\)")
 HIT = re.compile(r"KV cache: hit for sha1=([0-9a-f]{40}) \(loaded (\d+) tokens\)")
-LIVE = re.compile(r"KV cache: live session reused for sha1=([0-9a-f]{40}) \((\d+) tokens\)")
+LIVE = re.compile(r"KV cache: live session reused for sha1=([0-9a-f]{40}) \((\d+) tokens[,)]")
 
 FLOW: dict = {}             # what earlier tests learned, for the later ones
 USED: set = set()
