@@ -78,6 +78,9 @@ class Cluster(Clients):
         self.trace_path = self.tmp / "trace"
         self.port = free_port()
         self.extra = {k: str(v) for k, v in (env or {}).items()}
+        # one resident session: the campaign's tests drive conversations to disk by sending
+        # another prompt ("the live session moves on"); several sessions are tests/e2e/test_sessions.py's
+        self.extra.setdefault("RICORDO_MAX_LIVE_SESSIONS", "1")
         if kv:
             self.extra.setdefault("RICORDO_KV_DISK_DIR", str(self.kv_dir))
         if trace:
