@@ -207,10 +207,7 @@ class Worker:
     def make_room(self, need: int, keep: set[int], new: bool, unsaved) -> bool:
         """Evict least recently used sessions (never those in keep) until need more bytes
         and, if new, one more session fit. False when they cannot (a kept one is in the way)."""
-        victims = self.sessions.victims(need, keep, new)
-        total = self.sessions.nbytes + need - sum(self.sessions.get(v).nbytes for v in victims)
-        fits = len(self.sessions) + int(new) - len(victims) <= self.sessions.max_sessions and \
-            (total <= self.sessions.budget or not keep)
+        victims, fits = self.sessions.room(need, keep, new)
         if fits or not new:
             for v in victims:
                 self.evict(v, unsaved)
@@ -224,8 +221,7 @@ class Worker:
         if sess is not None and not job.restore:
             self.use(job.session)
             return 0
-        for sid in [i for i, x in self.sessions.by_id.items() if not len(x) and i != job.source]:
-            self.sessions.drop(sid)          # empty sessions (the first, a failed job's) hold nothing
+        self.sessions.drop_empty(but=job.source)
         src = self.sessions.get(job.source) if job.source and not job.restore else None
         n = job.restore_tokens + len(job.suffix) if job.restore else len(job.ids)
         need = self.row_bytes * min(self.n_ctx, n)

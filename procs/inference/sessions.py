@@ -71,6 +71,19 @@ class Sessions:
             count -= 1
         return out
 
+    def room(self, need: int, keep: set[int], new: bool) -> tuple[list[int], bool]:
+        """(victims, whether need more bytes and, if new, one more session then fit). With
+        nothing kept the budget always counts as met: one conversation may fill the context."""
+        victims = self.victims(need, keep, new)
+        total = self.nbytes + need - sum(self.by_id[v].nbytes for v in victims)
+        count_ok = len(self.by_id) + int(new) - len(victims) <= self.max_sessions
+        return victims, count_ok and (total <= self.budget or not keep)
+
+    def drop_empty(self, but: int = 0) -> None:
+        """Forget sessions holding no token (the first one, a failed job's), except `but`."""
+        for sid in [i for i, s in self.by_id.items() if not len(s) and i != but]:
+            del self.by_id[sid]
+
     def state(self) -> tuple[m.LiveSession, ...]:
         return tuple(m.LiveSession(sid=sid, tokens=tuple(s.tokens), keep_from=s.keep_from)
                      for sid, s in self.by_id.items())

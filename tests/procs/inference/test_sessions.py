@@ -71,3 +71,17 @@ def test_victims_least_recently_used_first_within_budget_and_count():
     assert list(pool.by_id) == [3, 1] and pool.nbytes == 400
     sid, _ = pool.add()
     assert sid == 4                                    # ids are never reused
+
+
+def test_room_says_whether_a_kept_session_is_in_the_way():
+    sizes = iter([600, 300, 0])
+    pool = Sessions(lambda: Fake(next(sizes), 1), budget=1000, max_sessions=2)
+    pool.add()                                         # 1: 600 bytes
+    pool.add()                                         # 2: 300 bytes
+    assert pool.room(500, {1}, new=True) == ([2], False)   # 1 is kept: 1100 > 1000
+    assert pool.room(500, set(), new=True) == ([1], True)         # 300 + 500 fits
+    assert pool.room(5000, set(), new=True)[1]         # nothing kept: one conversation may fill it
+    sid, s = pool.add()                                # an empty third
+    s.tokens = []
+    pool.drop_empty(but=0)
+    assert list(pool.by_id) == [1, 2]
