@@ -55,7 +55,10 @@ class Settings:
     kv_ram_space_mb: int = opt(0, "memory budget for the K/V of the sessions kept resident (0 = a quarter of the "
                                "memory available when inference starts)", ("generate", "inference"))
     max_live_sessions: int = opt(4, "conversations kept resident in memory at most; a session leaving memory "
-                                 "is checkpointed (evict) first", ("generate", "inference"))
+                                 "is checkpointed (evict) first", ("generate", "renderer", "inference"))
+    parallel: int = opt(4, "requests run at once, each in its own session (at most --max-live-sessions): their "
+                        "answers are decoded together, one batched step for all, and new prompts are prefilled "
+                        "a chunk at a time between those steps (llama.cpp's --parallel)", ("generate", "renderer", "inference"))
     max_queue: int = opt(64, "requests waiting for the model beyond which new ones get 429", ("renderer",))
     log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
     # disk KV cache (names and defaults of ds4-server, docs/kv-format.md)
@@ -71,6 +74,11 @@ class Settings:
     tool_memory_max_ids: int = opt(100000, "tool-call ids remembered for exact replay")
     disable_exact_tool_replay: bool = opt(False, "turn off exact tool-call replay")
     api_key: str = opt("", "require this Bearer token on every endpoint but /health", ("web",))
+
+    @property
+    def batch(self) -> int:
+        """Requests in flight at once: --parallel, within the sessions memory may hold."""
+        return max(1, min(self.parallel, self.max_live_sessions))
 
     @classmethod
     def parser(cls, proc: str, prog: str | None = None) -> argparse.ArgumentParser:

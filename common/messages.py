@@ -46,6 +46,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_logprobs: int = 0
     stop_ids: tuple[int, ...] = ()
     vocab: int = 0                      # ids from here on are embedding padding with no text (0: none)
+    ignore_eos: bool = False            # never pick a stop id (llama.cpp's and vLLM's ignore_eos; benchmarks)
 
 
 class ToolCallFunction(msgspec.Struct, frozen=True):

@@ -52,6 +52,8 @@ class Metrics:
                                      buckets=RATE_BUCKETS)
         self.live_tokens = Gauge("ricordo_live_session_tokens", "tokens in the resident KV sessions",
                                  multiprocess_mode="livesum")
+        self.batch_size = Histogram("ricordo_decode_batch_size", "sequences advanced by one decode step",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
         self.live_sessions = Gauge("ricordo_live_sessions", "KV sessions resident in memory",
                                    multiprocess_mode="livesum")
         self.resident_bytes = Gauge("ricordo_resident_kv_bytes", "K/V bytes of the resident sessions",

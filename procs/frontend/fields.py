@@ -88,7 +88,7 @@ def check_model(body: dict, served_id: str, strict: bool) -> None:
 
 def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int = 0,
              lo: int = 0) -> SamplingParams:
-    """The sampling fields the API has (`keys`, among temperature, top_p, top_k, min_p, seed)
+    """The sampling fields the API has (`keys`, among temperature, top_p, top_k, min_p, seed, ignore_eos)
     and its token limit (`max_key`; absent: until the context is full). The one place the
     limit is clamped before the renderer fits it to the context."""
     mt = get_int(body, max_key)
@@ -101,6 +101,7 @@ def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int 
                        top_k=min(get_int(body, "top_k", d.top_k), UNTIL_FULL) if "top_k" in keys else d.top_k,
                        min_p=get_num(body, "min_p", d.min_p) if "min_p" in keys else d.min_p,
                        seed=get_int(body, "seed") if "seed" in keys else None,
+                       ignore_eos=get_bool(body, "ignore_eos") if "ignore_eos" in keys else False,
                        top_logprobs=top_logprobs)
     try:
         validate_sampling(p)

@@ -206,3 +206,20 @@ class KVSession:
         self.floors = [n - r for r in rows]
         self.tokens = list(tokens)
         self.logits = None if logits is None else logits.to(self.model.device, torch.float32).clone()
+
+
+def decode_many(sessions: list[KVSession], tokens: list[int]) -> list[torch.Tensor]:
+    """Append tokens[b] to sessions[b] (distinct sessions of one model) in one batched decode
+    step (Llama.decode_batch); returns and keeps each session's new logits."""
+    for s in sessions:
+        if len(s) + 1 > s.n_ctx:
+            raise ValueError(f"{len(s) + 1} tokens exceed the context of {s.n_ctx}")
+        s.reserve(len(s) + 1)
+    model = sessions[0].model
+    logits = model.decode_batch(tokens, [len(s) for s in sessions], [(s.k, s.v) for s in sessions],
+                                exact=sessions[0].exact)
+    rows = list(logits)
+    for s, t, row in zip(sessions, tokens, rows):
+        s.tokens.append(t)
+        s.logits = row
+    return rows

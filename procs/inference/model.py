@@ -210,6 +210,72 @@ class Llama:
                         torch.arange(pos, S, device=self.device).unsqueeze(1),
                         torch.arange(ks, S, device=self.device), window, self.dtype))
             return masks[window]
+
+        def attend(li: int, ly: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
+            vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
+            ks, mask = keys(ly.window)
+            if T == 1 and not pad_to and self.device.type == "cpu":
+                return self.attend(q[0], kc[li, :, ks:S], vc[li, :, ks:S], self.scale)  # [1, H*D]
+            qh = q.transpose(0, 1).unsqueeze(0)                                # [1, H, T, D]
+            if pad_to:
+                qh = F.pad(qh, (0, 0, 0, nq - T))
+                o = torch.cat([F.scaled_dot_product_attention(
+                    qh[:, :, a:a + EXACT_Q], kc[li:li + 1, :, :K], vc[li:li + 1, :, :K],
+                    attn_mask=mask[a:a + EXACT_Q], enable_gqa=True, scale=self.scale)
+                    for a in range(0, nq, EXACT_Q)], dim=2)[:, :, :T]
+            else:
+                o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, ks:S], vc[li:li + 1, :, ks:S],
+                                                   attn_mask=mask, enable_gqa=True, scale=self.scale)
+            return o[0].transpose(0, 1).reshape(T, H * D)
+        x = self._blocks(x, ropes, lin, mm, attend)
+        return self._head(x, rows, pad_to)
+
+    @torch.inference_mode()
+    def decode_batch(self, ids: list[int], pos: list[int], caches: list, exact: bool = False) -> torch.Tensor:
+        """One token for each of B sequences in one step: ids[b] at position pos[b] of the
+        sequence whose caches are caches[b] = (kc, vc). Returns float32 logits [B, V]. The
+        linears take all B rows at once (one read of each weight); K/V writes and attention
+        are per sequence. The native decoder's rows equal single-token forward() bit for bit;
+        torch's batched GEMMs may round differently from its one-row ones, so exact (the
+        --deterministic promise that an answer does not depend on what else runs) decodes
+        each sequence alone there."""
+        B = len(ids)
+        if B == 1 or (exact and self.decoder is None):
+            return torch.cat([self.forward(torch.tensor([t], device=self.device), p, kc, vc, [0])
+                              for t, p, (kc, vc) in zip(ids, pos, caches)])
+        if self.decoder is not None:
+            return self.decoder.batch(torch.tensor(ids, device=self.device), pos, caches)
+        c = self.cfg
+        H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        x = self.embed_rows(torch.tensor(ids, device=self.device))            # [B, dim]
+        if c.embed_scale:
+            x = x * c.embed_scale
+        at = torch.tensor(pos, device=self.device)
+        ropes = [(cos[at].unsqueeze(1), sin[at].unsqueeze(1)) for cos, sin in self.rope]  # [B, 1, D]
+
+        def attend(li: int, ly: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = []
+            for b, (p, (kc, vc)) in enumerate(zip(pos, caches)):
+                kc[li, :, p] = k[b]
+                vc[li, :, p] = v[b].view(KV, D)
+                ks = max(0, p - ly.window + 1) if ly.window else 0
+                if self.device.type == "cpu":
+                    out.append(self.attend(q[b], kc[li, :, ks:p + 1], vc[li, :, ks:p + 1], self.scale))
+                else:
+                    o = F.scaled_dot_product_attention(q[b].unsqueeze(1).unsqueeze(0), kc[li:li + 1, :, ks:p + 1],
+                                                       vc[li:li + 1, :, ks:p + 1], enable_gqa=True, scale=self.scale)
+                    out.append(o.reshape(1, H * D))
+            return torch.cat(out)                                              # [B, H*D]
+        x = self._blocks(x, ropes, lambda f, h: f(h), dense, attend)
+        return self._head(x, list(range(B)), 0)
+
+    def _blocks(self, x: torch.Tensor, ropes, lin, mm, attend) -> torch.Tensor:
+        """Every layer on the rows x [T, dim]: lin(Linear, h) and mm(h, w) are the linears
+        (exact mode pads them), attend(li, layer, q, k, v) stores K/V and returns [T, H*D]."""
+        c = self.cfg
+        T = x.shape[0]
+        H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
         for li, ly in enumerate(self.layers):
             h = F.rms_norm(x, (c.dim,), ly.attn_norm, c.norm_eps)
             qkv = lin(ly.wqkv, h)                                    # [T, (H+2KV)*D]
@@ -219,24 +285,7 @@ class Llama:
             if ly.qk_norm is not None:   # RMSNorm over each head of q and k (row-wise: exact mode holds)
                 qk = F.rms_norm(qk, (D,), None, c.norm_eps) * ly.qk_norm
             qk = self._rope(qk, *ropes[ly.rope])                     # q and k at once
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:]
-            kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
-            vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
-            ks, mask = keys(ly.window)
-            if T == 1 and not pad_to and self.device.type == "cpu":
-                att = self.attend(q[0], kc[li, :, ks:S], vc[li, :, ks:S], self.scale)  # [1, H*D]
-            else:
-                qh = q.transpose(0, 1).unsqueeze(0)                            # [1, H, T, D]
-                if pad_to:
-                    qh = F.pad(qh, (0, 0, 0, nq - T))
-                    o = torch.cat([F.scaled_dot_product_attention(
-                        qh[:, :, a:a + EXACT_Q], kc[li:li + 1, :, :K], vc[li:li + 1, :, :K],
-                        attn_mask=mask[a:a + EXACT_Q], enable_gqa=True, scale=self.scale)
-                        for a in range(0, nq, EXACT_Q)], dim=2)[:, :, :T]
-                else:
-                    o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, ks:S], vc[li:li + 1, :, ks:S],
-                                                       attn_mask=mask, enable_gqa=True, scale=self.scale)
-                att = o[0].transpose(0, 1).reshape(T, H * D)
+            att = attend(li, ly, qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:])
             o = lin(ly.wo, att)                                      # [T, dim]
             if ly.post_attn_norm is not None:
                 o = F.rms_norm(o, (c.dim,), ly.post_attn_norm, c.norm_eps)
@@ -250,6 +299,12 @@ class Llama:
             if ly.post_ffn_norm is not None:
                 o = F.rms_norm(o, (c.dim,), ly.post_ffn_norm, c.norm_eps)
             x = x + o
+        return x
+
+    def _head(self, x: torch.Tensor, rows: list[int], pad_to: int) -> torch.Tensor:
+        """float32 logits [len(rows), V] of the final hidden rows x[rows]."""
+        c = self.cfg
+        T = x.shape[0]
         if self.lm_head is None:   # the packed projection, row by row (so exact mode's rows hold)
             x = F.rms_norm(x[rows], (c.dim,), self.norm, c.norm_eps)
             if not rows:

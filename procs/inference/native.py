@@ -205,6 +205,13 @@ class Decoder:
         self.size = lib.decode_step_scratch
         self.size.restype = ctypes.c_long
         self.size.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.batch_fn = lib.decode_batch
+        self.batch_fn.restype = ctypes.c_int
+        self.batch_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + \
+            [ctypes.c_void_p] * 6
+        self.batch_size = lib.decode_batch_scratch
+        self.batch_size.restype = ctypes.c_long
+        self.batch_size.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         keep = self._keep = []              # f32 copies the structs point into
 
         def f32(t):
@@ -256,6 +263,37 @@ class Decoder:
                    kc.stride(1), logits.data_ptr(), self.scratch.data_ptr()):
             raise ValueError("native decode does not take this model's shapes")
         return logits.unsqueeze(0)
+
+
+    def batch(self, ids: torch.Tensor, pos: list[int], caches: list) -> torch.Tensor:
+        """B tokens of B sequences in one call: ids [B], pos[b] and caches[b] = (kc, vc) of
+        sequence b -> float32 logits [B, V], row b equal (bit for bit) to __call__ on it alone.
+        The weights are read once for all rows (decode.c decode_batch)."""
+        model, B = self.model, len(pos)
+        for kc, vc in caches:
+            if not (kc.is_contiguous() and vc.is_contiguous() and kc.stride() == vc.stride()
+                    and kc.dtype == vc.dtype == model.dtype):
+                raise ValueError("native decode needs contiguous caches in the compute dtype")
+        x = model.embed_rows(ids)
+        if model.cfg.embed_scale:
+            x = x * model.cfg.embed_scale
+        x = x.to(torch.float32, copy=True).contiguous()     # [B, dim], overwritten
+        need = self.batch_size(ctypes.byref(self.m), B, max(pos) + 1)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need + need // 2)
+
+        def arr(ctype, values):
+            return (ctype * B)(*values)
+        logits = torch.empty(B, self.vocab)
+        rc = self.batch_fn(ctypes.byref(self.m), B, x.data_ptr(), arr(ctypes.c_int, pos),
+                           arr(ctypes.c_void_p, [kc.data_ptr() for kc, _ in caches]),
+                           arr(ctypes.c_void_p, [vc.data_ptr() for _, vc in caches]),
+                           arr(ctypes.c_long, [kc.stride(0) for kc, _ in caches]),
+                           arr(ctypes.c_long, [kc.stride(1) for kc, _ in caches]),
+                           logits.data_ptr(), self.scratch.data_ptr())
+        if rc:
+            raise ValueError("native decode does not take this model's shapes")
+        return logits
 
 
 class Kernels:

@@ -30,6 +30,8 @@ class Sampler:
             logits = logits[:p.vocab]
             masked = masked[:p.vocab] if masked is not None else None
         pick = logits if masked is None else masked
+        if p.ignore_eos and masked is None and p.stop_ids:   # a grammar's own end is kept
+            pick = logits.index_fill(0, torch.tensor(p.stop_ids), float("-inf"))
         if p.temperature <= 0:
             tok = int(torch.argmax(pick))
         else:

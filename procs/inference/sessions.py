@@ -79,9 +79,10 @@ class Sessions:
         count_ok = len(self.by_id) + int(new) - len(victims) <= self.max_sessions
         return victims, count_ok and (total <= self.budget or not keep)
 
-    def drop_empty(self, but: int = 0) -> None:
-        """Forget sessions holding no token (the first one, a failed job's), except `but`."""
-        for sid in [i for i, s in self.by_id.items() if not len(s) and i != but]:
+    def drop_empty(self, but=frozenset()) -> None:
+        """Forget sessions holding no token (the first one, a failed job's), except those in
+        `but` (the running jobs' sessions: a cold one is empty until its first chunk)."""
+        for sid in [i for i, s in self.by_id.items() if not len(s) and i not in but]:
             del self.by_id[sid]
 
     def state(self) -> tuple[m.LiveSession, ...]:

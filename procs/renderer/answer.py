@@ -34,6 +34,12 @@ class Pending:
     calls: tools.CallParser | None = None   # set when generated tool calls are parsed
     finished: bool = False          # the web has its Finished/Failed; ignore further tokens
     constraint: m.Constraint | None = None
+    # set when dispatched to inference
+    since: float = 0.0              # when inference last said something about it
+    heard_at_dispatch: bool = False  # inference was heard recently when it was sent
+    dispatch_seq: int = 0           # pings sent before it; answers to later ones list it
+    session: int = 0                # the resident session it runs in (0: a new one)
+    reuse: int = 0                  # that session's tokens it keeps (rows below are not rewritten)
 
 
 class Answers:

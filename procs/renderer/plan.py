@@ -57,9 +57,11 @@ def best_session(text: TextModel, n_ctx: int, sessions: dict[int, m.LiveSession]
 
 
 def plan_job(s, text: TextModel, n_ctx: int, index: DiskIndex, sessions: dict[int, m.LiveSession],
-             quant_bits: int, req: m.GenerateRequest, prompt: bytes, full: list[int], hint: int = 0) -> Plan:
+             quant_bits: int, req: m.GenerateRequest, prompt: bytes, full: list[int], hint: int = 0,
+             busy=frozenset()) -> Plan:
     """sessions: the resident ones, least recently used first; hint: the session the
-    request's session_hint last ran in (0: none)."""
+    request's session_hint last ran in (0: none); busy: sessions a running job uses, which
+    a new job may copy a prefix of but never continue in place."""
     sid, ids, reuse = best_session(text, n_ctx, sessions, prompt, full, s.kv_cache_min_tokens, hint)
     live = list(sessions[sid].tokens) if sid else []
     restore, suffix, notes = None, (), []
@@ -75,7 +77,8 @@ def plan_job(s, text: TextModel, n_ctx: int, index: DiskIndex, sessions: dict[in
         miss = why.split(" at byte")[0] if entry is None else "shorter than the live session"
     else:
         miss = "disk cache off"
-    in_place = bool(sid) and restore is None and (len(live) - reuse <= IN_PLACE_TAIL or reuse >= len(ids))
+    in_place = bool(sid) and sid not in busy and restore is None and \
+        (len(live) - reuse <= IN_PLACE_TAIL or reuse >= len(ids))
     if restore is None and reuse:
         how = f"session {sid}" if in_place else f"a copy of session {sid}'s first tokens"
         notes.append(f"KV cache: live session reused for sha1={sha} ({reuse} tokens, {how})")

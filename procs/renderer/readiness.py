@@ -2,7 +2,7 @@
 (inference's health and live session, the persister's index and tool ids), asked for until
 known, and requests held (unrendered) meanwhile. A mixin of Renderer (procs/renderer/
 server.py), whose state it reads and writes: inference, last_heard, live, persister_boot,
-held, queue, current, unready_since, last_hello, index, tool_memory; it calls admit,
+held, queue, running, unready_since, last_hello, index, tool_memory; it calls admit,
 dispatch, fail and to_web. "Not yet known" is never taken for "empty"."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Readiness:
     def lacks(self) -> str:
         """What the renderer does not know yet to serve correctly ("" when ready)."""
         missing = []
-        window = HEALTH_FRESH_S if self.current is None else BUSY_FRESH_S
+        window = HEALTH_FRESH_S if not self.running else BUSY_FRESH_S
         if self.inference is None or time.monotonic() - self.last_heard >= window:
             missing.append("the inference process (starting: loading its model)" if self.inference is None
                            else "the inference process (not answering)")
@@ -102,15 +102,15 @@ class Readiness:
         self.keep_ready(time.monotonic())
 
     def on_live_state(self, ev: m.LiveState) -> None:
-        cur = self.current
-        if ev.rid and cur is not None and ev.rid == cur.req.rid:
+        p = self.running.get(ev.rid) if ev.rid else None
+        if p is not None:
             # inference did not run the job: it was planned against a session it does not hold
             self.log.warning("job %s: planned against a stale live session; planning it again", ev.rid)
             self.mirror(ev.sessions)
-            self.current = None
-            self.queue.appendleft(cur)
+            del self.running[ev.rid]
+            self.queue.appendleft(p)
             self.dispatch()
-        elif not ev.rid and not ev.busy and cur is None and self.live is None \
+        elif not ev.rid and not ev.busy and not self.running and self.live is None \
                 and (self.inference is None or ev.boot == self.inference.boot):
             self.mirror(ev.sessions)
             self.keep_ready(time.monotonic())

@@ -1,9 +1,10 @@
 """The renderer process: requests in from every web worker, jobs out to inference.
 
 Knows text and tokens, nothing of tensors. It renders and tokenizes prompts, holds the one
-FIFO queue of requests for the model, mirrors the live session's token ids (inference
-reports them after every job) to plan reuse, and turns Token events into text deltas,
-stop strings and usage for the web worker that asked (its ROUTER identity is the route).
+FIFO queue of requests for the model, sends up to --parallel of them to inference at once
+(each planned when it is sent), mirrors the resident sessions' token ids (inference reports
+them after every job) to plan reuse, and turns Token events into text deltas, stop strings
+and usage for the web worker that asked (its ROUTER identity is the route).
 Readiness: what it learns from other processes (the persister's index and tool ids, the
 live session's ids, inference's health) it asks for whenever it does not know it, and a
 request that arrives meanwhile is held, unrendered, never planned against "empty".
@@ -48,6 +49,21 @@ INFERENCE_SILENCE_S = 20.0
 MAX_HINTS = 10_000        # session hints remembered (each names a resident session, or a gone one)
 
 
+def shared(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (slice compares run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n        # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class Renderer(Readiness, Answers):
     def __init__(self, s: Settings, log):
         self.s, self.log = s, log
@@ -77,18 +93,15 @@ class Renderer(Readiness, Answers):
         self.enc = m.encoder()
         self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.EventsIn)
         self.queue: collections.deque[Pending] = collections.deque()
-        self.current: Pending | None = None
-        self.current_since = 0.0
+        self.running: dict[str, Pending] = {}    # rid -> a request inference has (at most s.batch)
         # the resident sessions, least recently used first; None: not known (ask: LiveQuery)
         self.live: dict[int, m.LiveSession] | None = None
         self.hints: collections.OrderedDict[str, int] = collections.OrderedDict()  # session_hint -> sid
         self.inference: m.InferenceHealth | None = None
         self.last_heard = 0.0
-        self.heard_at_dispatch = False
         self.stopped: dict[str, None] = {}      # rids of foreign jobs already cancelled
         self.last_ping = 0.0
         self.ping_seq = 0
-        self.dispatch_seq = 0   # pings sent before the current job; answers to later ones list it
         self.boot = uuid.uuid4().hex
         self.persister_boot = ""                # "": no PersisterState yet (index unknown)
         self.last_hello = 0.0
@@ -138,27 +151,24 @@ class Renderer(Readiness, Answers):
             self.last_ping = now
             self.ping_seq += 1
             self.to_inference(m.InferencePing(rid="renderer", seq=self.ping_seq))
-            if self.live is None and self.current is None:
+            if self.live is None and not self.running:
                 self.to_inference(m.LiveQuery())
         self.keep_ready(now)
-        cur = self.current
-        if cur is None:
-            return
-        if now - self.current_since > JOB_SILENCE_S:
-            self.lose_current(f"no word from inference about it for {JOB_SILENCE_S:.0f} s")
-        elif self.heard_at_dispatch and cur.prompt_tokens and now - self.last_heard > INFERENCE_SILENCE_S:
-            self.lose_current(f"the inference process has not answered for {INFERENCE_SILENCE_S:.0f} s")
+        for p in list(self.running.values()):
+            if now - p.since > JOB_SILENCE_S:
+                self.lose(p, f"no word from inference about it for {JOB_SILENCE_S:.0f} s")
+            elif p.heard_at_dispatch and p.prompt_tokens and now - self.last_heard > INFERENCE_SILENCE_S:
+                self.lose(p, f"the inference process has not answered for {INFERENCE_SILENCE_S:.0f} s")
 
-    def lose_current(self, why: str) -> None:
-        """The running job will never finish (inference died, restarted or lost it): its
+    def lose(self, p: Pending, why: str) -> None:
+        """A running job will never finish (inference died, restarted or lost it): its
         request fails with a 503 and the queue moves on."""
-        cur = self.current
-        self.log.error("job %s: %s; failing it", cur.req.rid, why)
-        self.fail(cur, 503, f"the inference process failed this request ({why})", code="inference_unavailable",
+        self.log.error("job %s: %s; failing it", p.req.rid, why)
+        self.fail(p, 503, f"the inference process failed this request ({why})", code="inference_unavailable",
                   err_type="server_error")
-        self.to_inference(m.CancelJob(rid=cur.req.rid))     # in case it is alive after all
+        self.to_inference(m.CancelJob(rid=p.req.rid))     # in case it is alive after all
         self.live = None        # unknown now: asked for again before the next plan
-        self.current = None
+        self.running.pop(p.req.rid, None)
         self.dispatch()
 
     # -- web requests --
@@ -226,7 +236,7 @@ class Renderer(Readiness, Answers):
                                   req.parallel_tool_calls)
 
     def holds(self, rid: str) -> bool:
-        return ((self.current is not None and self.current.req.rid == rid) or any(p.req.rid == rid for p in self.queue)
+        return (rid in self.running or any(p.req.rid == rid for p in self.queue)
                 or any(h[1].rid == rid for h in self.held))
 
     def cancel(self, rid: str) -> None:
@@ -238,19 +248,50 @@ class Renderer(Readiness, Answers):
             if p.req.rid == rid:
                 self.queue.remove(p)
                 return
-        if self.current is not None and self.current.req.rid == rid:
-            self.current.finished = True
+        p = self.running.get(rid)
+        if p is not None:
+            p.finished = True
             self.to_inference(m.CancelJob(rid=rid))
 
     def dispatch(self) -> None:
+        """Send queued requests to inference, in order, while fewer than s.batch run; each is
+        planned now, against the sessions as they will be: a session a running job uses is
+        copied from, never continued in place. A request that follows a running job (below)
+        waits for that job; the requests behind it go on."""
         if self.lacks():         # planned only against known state (queued requests wait)
             return
-        if self.current is not None or not self.queue:
-            return
-        p = self.queue.popleft()
-        pl = plan_job(self.s, self.text, self.n_ctx, self.index, self.live,
-                      self.inference.quant_bits if self.inference else 0, p.req, p.prompt, p.full,
-                      self.hints.get(p.req.session_hint, 0) if p.req.session_hint else 0)
+        i = 0
+        while i < len(self.queue) and len(self.running) < self.s.batch:
+            p = self.queue[i]
+            busy = {q.session: q.reuse for q in self.running.values() if q.session}
+            pl = plan_job(self.s, self.text, self.n_ctx, self.index, self.planning_view(busy),
+                          self.inference.quant_bits if self.inference else 0, p.req, p.prompt, p.full,
+                          self.hints.get(p.req.session_hint, 0) if p.req.session_hint else 0, set(busy))
+            if any(self.follows(p, q, pl.cached) for q in self.running.values()):
+                i += 1
+                continue
+            del self.queue[i]
+            self.send_job(p, pl)
+
+    def follows(self, p: Pending, q: Pending, cached: int) -> bool:
+        """Whether p should wait for the running q: p's prompt extends q's (q's conversation's
+        next turn, sent as q's last token arrived, before inference reported its session),
+        or shares with it at least a checkpoint's worth more tokens than p's plan reuses (a
+        side request beside a cold first turn: waiting beats computing the prefix twice)."""
+        if len(p.prompt) > len(q.prompt) and p.prompt.startswith(q.prompt):
+            return True
+        return shared(p.full, q.ids) - cached >= max(self.s.kv_cache_min_tokens, 1)
+
+    def planning_view(self, busy: dict[int, int]) -> dict[int, m.LiveSession]:
+        """The resident sessions as a new job may use them: a session a running job uses
+        holds, for sure, only the tokens that job keeps (it cuts the rest and appends)."""
+        if not busy:
+            return self.live
+        return {sid: ls if sid not in busy else
+                m.LiveSession(sid=sid, tokens=ls.tokens[:busy[sid]], keep_from=ls.keep_from)
+                for sid, ls in self.live.items()}
+
+    def send_job(self, p: Pending, pl) -> None:
         for line in pl.notes:
             self.trace.line(line)
         p.ids, p.miss = pl.ids, pl.miss
@@ -263,9 +304,11 @@ class Renderer(Readiness, Answers):
             choice = tool_choice(p.req)
             if choice != "none":
                 p.calls = tools.CallParser(opened=tools.opener(choice))
-        self.current, self.current_since = p, time.monotonic()
-        self.heard_at_dispatch = self.current_since - self.last_heard < HEALTH_FRESH_S
-        self.dispatch_seq = self.ping_seq
+        p.since = time.monotonic()
+        p.heard_at_dispatch = p.since - self.last_heard < HEALTH_FRESH_S
+        p.dispatch_seq = self.ping_seq
+        p.session, p.reuse = pl.session, pl.reuse
+        self.running[p.req.rid] = p
         r = pl.restore
         self.to_inference(m.Job(rid=p.req.rid, ids=tuple(pl.ids), reuse=pl.reuse, sampling=sampling,
                                 restore=r.sha1 if r else "", restore_tokens=r.n_tokens if r else 0,
@@ -305,18 +348,17 @@ class Renderer(Readiness, Answers):
             if self.inference is not None and ev.boot != self.inference.boot:
                 self.log.warning("the inference process restarted")
                 self.live = None        # its session is not the one mirrored: ask
-                if self.current is None:
+                if not self.running:
                     self.to_inference(m.LiveQuery())
             self.inference = ev
             # pings and jobs travel in one pipe: an answer to a ping sent after the job that
             # does not list it means the process that has the job is gone (it finished: its
             # JobDone came first, on the event pipe)
-            cur = self.current
-            if cur is not None and ev.seq > self.dispatch_seq and cur.req.rid not in ev.jobs:
-                self.lose_current("the inference process does not hold it (it restarted)")
+            for p in [p for p in self.running.values() if ev.seq > p.dispatch_seq and p.req.rid not in ev.jobs]:
+                self.lose(p, "the inference process does not hold it (it restarted)")
             return
-        p = self.current
-        if p is None or ev.rid != p.req.rid:
+        p = self.running.get(ev.rid)
+        if p is None:
             # a late event of a job failed here, or of one a previous renderer started: stop it
             if isinstance(ev, (m.Begun, m.Token, m.Progress)) and ev.rid not in self.stopped:
                 self.stopped[ev.rid] = None
@@ -324,7 +366,7 @@ class Renderer(Readiness, Answers):
                     self.stopped.pop(next(iter(self.stopped)))
                 self.to_inference(m.CancelJob(rid=ev.rid))
             return
-        self.current_since = time.monotonic()
+        p.since = time.monotonic()
         if isinstance(ev, m.Begun):
             p.cached, p.prompt_tokens = ev.cached, ev.prompt_tokens
             self.to_web(p.route, m.Started(rid=p.req.rid, prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached))
@@ -337,12 +379,12 @@ class Renderer(Readiness, Answers):
             if not p.finished:     # cancelled by inference itself (shutdown)
                 self.finish(p, "length" if ev.reason == "length" else "stop")
             self.job_session(p, ev.session, ev.live, ev.keep_from, ev.resident)
-            self.current = None
+            del self.running[ev.rid]
             self.dispatch()
         elif isinstance(ev, m.JobError):
             self.fail(p, 500, ev.message, err_type="server_error")
             self.job_session(p, ev.session, ev.live, 0, ev.resident)
-            self.current = None
+            del self.running[ev.rid]
             self.dispatch()
 
 

@@ -73,69 +73,99 @@ static void store_rows(void *cache, int bf16, long at, const float *src, int D) 
 
 static inline int imax(int a, int b) { return a > b ? a : b; }
 
-/* x += post_norm(W in): a block's output projection and its residual (o, xs: scratch) */
-static void residual(const Mat *w, const float *in, int n_in, const float *post_norm, float eps, int dim,
-                     float *x, float *o, float *xs) {
-    group_sums(in, n_in, xs);
-    mat_vec(w, in, xs, o);
-    if (post_norm) rms_norm(o, post_norm, eps, dim, o);
-    for (int i = 0; i < dim; i++) x[i] += o[i];
+/* x[b] += post_norm(W in[b]) for B rows: a block's output projection and its residual
+ * (o, xs: scratch rows of the same strides as x and in) */
+static void residual(const Mat *w, int B, const float *in, long ld_in, int n_in, const float *post_norm, float eps,
+                     int dim, float *x, long ld, float *o, float *xs, long ld_xs) {
+    for (int b = 0; b < B; b++) group_sums(in + b * ld_in, n_in, xs + b * ld_xs);
+    mat_mul(w, B, in, ld_in, xs, ld_xs, o, ld);
+    for (int b = 0; b < B; b++) {
+        float *ob = o + b * ld, *xb = x + b * ld;
+        if (post_norm) rms_norm(ob, post_norm, eps, dim, ob);
+        for (int i = 0; i < dim; i++) xb[i] += ob[i];
+    }
 }
 
-long decode_step_scratch(const ModelW *m, int S) {
+/* Scratch floats one activation row takes (every buffer of a step, but attention's) */
+static long row_floats(const ModelW *m) {
     const int qkv = (m->H + 2 * m->KV) * m->D, wide = imax(imax(m->dim, qkv), 2 * m->ffn);
-    return 2L * m->dim + qkv + m->H * m->D + 2L * m->ffn + wide / GROUP + 1 +
-           decode_attention_scratch(m->KV, m->H / m->KV, m->D, S);
+    return 2L * m->dim + qkv + m->H * m->D + 2L * m->ffn + wide / GROUP + 1;
 }
 
-/* x [dim]: the token's embedding row (scaled as the model scales it), overwritten. The K/V of
- * layer l, head h, position p is at kc + l*layer_stride + h*head_stride + p*D (elements of
- * the cache dtype). Writes logits [V]; returns 0, or -1 for a shape the kernels do not take. */
-int decode_step(const ModelW *m, float *x, int pos, void *kc, void *vc, long layer_stride, long head_stride,
-                float *logits, float *scratch) {
+long decode_batch_scratch(const ModelW *m, int B, int S) {
+    return B * row_floats(m) + decode_attention_scratch(m->KV, m->H / m->KV, m->D, S);
+}
+
+long decode_step_scratch(const ModelW *m, int S) { return decode_batch_scratch(m, 1, S); }
+
+/* B tokens of B sequences, one step: x [B][dim] holds their embedding rows (scaled as the
+ * model scales them; overwritten); sequence b is at position pos[b] with its own caches:
+ * the K/V of layer l, head h, position p is at kc[b] + l*layer_stride[b] + h*head_stride[b]
+ * + p*D (elements of the cache dtype). The linears read each weight once for all B rows
+ * (mat_mul); RoPE, the K/V write and attention are per sequence. Writes logits [B][V] (row
+ * b is what decode_step gives for sequence b alone, bit for bit); returns 0, or -1 for a
+ * shape the kernels do not take. scratch: decode_batch_scratch(m, B, max pos + 1) floats. */
+int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *kc, void *const *vc,
+                 const long *layer_stride, const long *head_stride, float *logits, float *scratch) {
     const int dim = m->dim, H = m->H, KV = m->KV, D = m->D, ffn = m->ffn, esz = m->kv_bf16 ? 2 : 4;
-    if (D > 512 || H % KV) return -1;
-    float *h = scratch, *o = h + dim, *qkv = o + dim, *att = qkv + (H + 2 * KV) * D, *gu = att + H * D;
-    const int wide = imax(imax(dim, (H + 2 * KV) * D), 2 * ffn);
-    float *xs = gu + 2 * ffn, *att_scratch = xs + wide / GROUP + 1;
+    if (D > 512 || H % KV || B < 1) return -1;
+    const int QKV = (H + 2 * KV) * D, wide = imax(imax(dim, QKV), 2 * ffn), XS = wide / GROUP + 1;
+    float *h = scratch, *o = h + (long)B * dim, *qkv = o + (long)B * dim, *att = qkv + (long)B * QKV;
+    float *gu = att + (long)B * H * D, *xs = gu + (long)B * 2 * ffn, *att_scratch = xs + (long)B * XS;
     for (int l = 0; l < m->n_layers; l++) {
         const LayerW *L = m->layers + l;
-        rms_norm(x, L->attn_norm, m->eps, dim, h);
-        group_sums(h, dim, xs);
-        mat_vec(&L->qkv, h, xs, qkv);
-        if (L->bqkv)
-            for (int i = 0; i < (H + 2 * KV) * D; i++) qkv[i] += L->bqkv[i];
-        float *q = qkv, *k = qkv + H * D, *v = k + KV * D;
-        if (L->q_norm) {
-            for (int i = 0; i < H; i++) rms_norm(q + i * D, L->q_norm, m->eps, D, q + i * D);
-            for (int i = 0; i < KV; i++) rms_norm(k + i * D, L->k_norm, m->eps, D, k + i * D);
+        for (int b = 0; b < B; b++) {
+            rms_norm(x + (long)b * dim, L->attn_norm, m->eps, dim, h + (long)b * dim);
+            group_sums(h + (long)b * dim, dim, xs + (long)b * XS);
         }
-        rope(q, H + KV, D, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, pos);
-        const long base = l * layer_stride;
-        for (int i = 0; i < KV; i++) {
-            store_rows(kc, m->kv_bf16, base + i * head_stride + (long)pos * D, k + i * D, D);
-            store_rows(vc, m->kv_bf16, base + i * head_stride + (long)pos * D, v + i * D, D);
+        mat_mul(&L->qkv, B, h, dim, xs, XS, qkv, QKV);
+        for (int b = 0; b < B; b++) {
+            float *q = qkv + (long)b * QKV, *k = q + H * D, *v = k + KV * D;
+            if (L->bqkv)
+                for (int i = 0; i < QKV; i++) q[i] += L->bqkv[i];
+            if (L->q_norm) {
+                for (int i = 0; i < H; i++) rms_norm(q + i * D, L->q_norm, m->eps, D, q + i * D);
+                for (int i = 0; i < KV; i++) rms_norm(k + i * D, L->k_norm, m->eps, D, k + i * D);
+            }
+            rope(q, H + KV, D, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, pos[b]);
+            const long base = l * layer_stride[b], hs = head_stride[b];
+            for (int i = 0; i < KV; i++) {
+                store_rows(kc[b], m->kv_bf16, base + i * hs + (long)pos[b] * D, k + i * D, D);
+                store_rows(vc[b], m->kv_bf16, base + i * hs + (long)pos[b] * D, v + i * D, D);
+            }
+            const int ks = L->window ? imax(0, pos[b] - L->window + 1) : 0;
+            const long first = (base + (long)ks * D) * esz;
+            if (decode_attention(q, (const char *)kc[b] + first, (const char *)vc[b] + first, hs, KV, H / KV, D,
+                                 pos[b] + 1 - ks, m->scale, m->kv_bf16, att + (long)b * H * D, att_scratch))
+                return -1;
         }
-        const int ks = L->window ? imax(0, pos - L->window + 1) : 0;
-        const long first = (base + (long)ks * D) * esz;
-        if (decode_attention(q, (const char *)kc + first, (const char *)vc + first, head_stride, KV, H / KV, D,
-                             pos + 1 - ks, m->scale, m->kv_bf16, att, att_scratch))
-            return -1;
-        residual(&L->wo, att, H * D, L->post_attn_norm, m->eps, dim, x, o, xs);
-        rms_norm(x, L->ffn_norm, m->eps, dim, h);
-        group_sums(h, dim, xs);
-        mat_vec(&L->gu, h, xs, gu);
-        for (int i = 0; i < ffn; i++) {
-            const float g = gu[i];
-            const float a = m->act == ACT_GELU_TANH
-                ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
-                : g / (1.0f + expf(-g));
-            gu[i] = a * gu[ffn + i];
+        residual(&L->wo, B, att, H * D, H * D, L->post_attn_norm, m->eps, dim, x, dim, o, xs, XS);
+        for (int b = 0; b < B; b++) {
+            rms_norm(x + (long)b * dim, L->ffn_norm, m->eps, dim, h + (long)b * dim);
+            group_sums(h + (long)b * dim, dim, xs + (long)b * XS);
         }
-        residual(&L->down, gu, ffn, L->post_ffn_norm, m->eps, dim, x, o, xs);
+        mat_mul(&L->gu, B, h, dim, xs, XS, gu, 2 * ffn);
+        for (int b = 0; b < B; b++) {
+            float *g = gu + (long)b * 2 * ffn;
+            for (int i = 0; i < ffn; i++) {
+                const float a = m->act == ACT_GELU_TANH
+                    ? 0.5f * g[i] * (1.0f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i])))
+                    : g[i] / (1.0f + expf(-g[i]));
+                g[i] = a * g[ffn + i];
+            }
+        }
+        residual(&L->down, B, gu, 2 * ffn, ffn, L->post_ffn_norm, m->eps, dim, x, dim, o, xs, XS);
     }
-    rms_norm(x, m->norm, m->eps, dim, h);
-    group_sums(h, dim, xs);
-    mat_vec(&m->head, h, xs, logits);
+    for (int b = 0; b < B; b++) {
+        rms_norm(x + (long)b * dim, m->norm, m->eps, dim, h + (long)b * dim);
+        group_sums(h + (long)b * dim, dim, xs + (long)b * XS);
+    }
+    mat_mul(&m->head, B, h, dim, xs, XS, logits, m->head.n);
     return 0;
+}
+
+/* One token of one sequence: decode_batch with B = 1 (x [dim], logits [V]). */
+int decode_step(const ModelW *m, float *x, int pos, void *kc, void *vc, long layer_stride, long head_stride,
+                float *logits, float *scratch) {
+    return decode_batch(m, 1, x, &pos, &kc, &vc, &layer_stride, &head_stride, logits, scratch);
 }

@@ -44,127 +44,203 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-/* Two accumulators over groups: acc0 takes even groups, acc1 odd ones (FMA latency). */
-#define OVER_GROUPS(ZERO, ADD, BODY)                 \
-    __typeof__(ZERO) acc0 = ZERO, acc1 = ZERO;       \
-    int g = 0;                                       \
-    for (; g + 1 < groups; g += 2) {                 \
-        acc0 = BODY(g, acc0);                        \
-        acc1 = BODY(g + 1, acc1);                    \
-    }                                                \
-    if (g < groups) acc0 = BODY(g, acc0);            \
-    const __typeof__(ZERO) acc = ADD(acc0, acc1);
-
+/* One group of 32 weights widened to f32 once (unpack), then multiplied into any number of
+ * activation rows (dot32): a row's sums are the same operations whether the group was
+ * unpacked for it alone or for several rows (mat_mul), so batched rows equal single ones. */
 #if defined(__AVX512F__)
-static inline __m512 q4_group(const uint8_t *q, const uint16_t *sm, const float *x, int g, __m512 acc) {
-    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g)));
-    const __m512i m15 = _mm512_set1_epi32(15);
-    __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w, m15)), _mm512_loadu_ps(x + 32 * g));
-    d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)), _mm512_loadu_ps(x + 32 * g + 16), d);
-    return _mm512_fmadd_ps(d, _mm512_set1_ps(f16_to_f32(sm[2 * g])), acc);
+typedef __m512 V;
+typedef struct { __m512 v[2]; } W32;
+static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g)));
+    w->v[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    w->v[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
-static inline __m512 q8_group(const int8_t *q, const uint16_t *s, const float *x, int g, __m512 acc) {
-    __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g)));
-    __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g + 16)));
-    __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_loadu_ps(x + 32 * g));
-    d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_loadu_ps(x + 32 * g + 16), d);
-    return _mm512_fmadd_ps(d, _mm512_set1_ps(f16_to_f32(s[g])), acc);
+static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
+    w->v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g))));
+    w->v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g + 16))));
 }
+static inline __m512 dot32(const W32 *w, const float *x, int g, __m512 acc, __m512 s) {
+    __m512 d = _mm512_mul_ps(w->v[0], _mm512_loadu_ps(x + 32 * g));
+    d = _mm512_fmadd_ps(w->v[1], _mm512_loadu_ps(x + 32 * g + 16), d);
+    return _mm512_fmadd_ps(d, s, acc);
+}
+#define VSET1 _mm512_set1_ps
 #define VZERO _mm512_setzero_ps()
 #define VADD _mm512_add_ps
 #elif defined(__AVX2__) && defined(__FMA__)
-static inline __m256 q4_group(const uint8_t *q, const uint16_t *sm, const float *x, int g, __m256 acc) {
+typedef __m256 V;
+typedef struct { __m256 v[4]; } W32;      /* values 0-7, 8-15, 16-23, 24-31 */
+static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
     const __m256i m15 = _mm256_set1_epi32(15);
     __m128i b = _mm_loadu_si128((const __m128i *)(q + 16 * g));
     __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    const float *xg = x + 32 * g;
-    __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w0, m15)), _mm256_loadu_ps(xg));
-    d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w1, m15)), _mm256_loadu_ps(xg + 8), d);
-    d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4)), _mm256_loadu_ps(xg + 16), d);
-    d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4)), _mm256_loadu_ps(xg + 24), d);
-    return _mm256_fmadd_ps(d, _mm256_set1_ps(f16_to_f32(sm[2 * g])), acc);
+    w->v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(w0, m15));
+    w->v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(w1, m15));
+    w->v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4));
+    w->v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
 }
-static inline __m256 q8_group(const int8_t *q, const uint16_t *s, const float *x, int g, __m256 acc) {
-    const int8_t *qg = q + 32 * g;
-    const float *xg = x + 32 * g;
-    __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)qg))),
-                             _mm256_loadu_ps(xg));
-    for (int i = 1; i < 4; i++) {
-        __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + 8 * i)));
-        d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w), _mm256_loadu_ps(xg + 8 * i), d);
-    }
-    return _mm256_fmadd_ps(d, _mm256_set1_ps(f16_to_f32(s[g])), acc);
+static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
+    for (int i = 0; i < 4; i++)
+        w->v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 32 * g + 8 * i))));
 }
+static inline __m256 dot32(const W32 *w, const float *x, int g, __m256 acc, __m256 s) {
+    const float *xg = x + 32 * g;
+    __m256 d = _mm256_mul_ps(w->v[0], _mm256_loadu_ps(xg));
+    d = _mm256_fmadd_ps(w->v[1], _mm256_loadu_ps(xg + 8), d);
+    d = _mm256_fmadd_ps(w->v[2], _mm256_loadu_ps(xg + 16), d);
+    d = _mm256_fmadd_ps(w->v[3], _mm256_loadu_ps(xg + 24), d);
+    return _mm256_fmadd_ps(d, s, acc);
+}
+#define VSET1 _mm256_set1_ps
 #define VZERO _mm256_setzero_ps()
 #define VADD _mm256_add_ps
 #else
-static inline float q4_group(const uint8_t *q, const uint16_t *sm, const float *x, int g, float acc) {
-    float d = 0.0f;
-    for (int j = 0; j < 16; j++) d += (q[16 * g + j] & 15) * x[32 * g + j] + (q[16 * g + j] >> 4) * x[32 * g + 16 + j];
-    return acc + d * f16_to_f32(sm[2 * g]);
+typedef float V;
+typedef struct { float v[32]; } W32;
+static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
+    for (int j = 0; j < 16; j++) {
+        w->v[j] = (float)(q[16 * g + j] & 15);
+        w->v[j + 16] = (float)(q[16 * g + j] >> 4);
+    }
 }
-static inline float q8_group(const int8_t *q, const uint16_t *s, const float *x, int g, float acc) {
+static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
+    for (int j = 0; j < 32; j++) w->v[j] = (float)q[32 * g + j];
+}
+static inline float dot32(const W32 *w, const float *x, int g, float acc, float s) {
     float d = 0.0f;
-    for (int j = 0; j < 32; j++) d += q[32 * g + j] * x[32 * g + j];
-    return acc + d * f16_to_f32(s[g]);
+    for (int j = 0; j < 16; j++) d += w->v[j] * x[32 * g + j] + w->v[j + 16] * x[32 * g + 16 + j];
+    return acc + d * s;
 }
 static inline float hsum(float v) { return v; }
+#define VSET1(x) (x)
 #define VZERO 0.0f
 #define VADD(a, b) ((a) + (b))
 #endif
 
-static float row_q4(const uint8_t *q, const uint16_t *sm, const float *x, const float *xs, int groups) {
-    float mins = 0.0f;
-    for (int i = 0; i < groups; i++) mins += f16_to_f32(sm[2 * i + 1]) * xs[i];
-#define Q4(G, A) q4_group(q, sm, x, G, A)
-    OVER_GROUPS(VZERO, VADD, Q4)
-    return hsum(acc) + mins;
-}
-
-static float row_q8(const int8_t *q, const uint16_t *s, const float *x, int groups) {
-#define Q8(G, A) q8_group(q, s, x, G, A)
-    OVER_GROUPS(VZERO, VADD, Q8)
-    return hsum(acc);
-}
-
-static float row_bf16(const uint16_t *w, const float *x, int k) {
-    int i = 0;
-    float tail = 0.0f;
+/* A block of VW weights widened to f32 (bf16 or f32 rows), none on the portable path */
 #if defined(__AVX512F__)
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (; i + 16 <= k; i += 16) {
-        __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i))), 16);
-        acc[(i >> 4) & 1] = _mm512_fmadd_ps(_mm512_castsi512_ps(v), _mm512_loadu_ps(x + i), acc[(i >> 4) & 1]);
-    }
-    tail = hsum(_mm512_add_ps(acc[0], acc[1]));
+#define VW 16
+#define VLOAD _mm512_loadu_ps
+#define VFMA _mm512_fmadd_ps
+static inline V wload_bf16(const uint16_t *w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
+}
+static inline V wload_f32(const float *w) { return _mm512_loadu_ps(w); }
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; i + 8 <= k; i += 8) {
-        __m256i v = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + i))), 16);
-        acc[(i >> 3) & 1] = _mm256_fmadd_ps(_mm256_castsi256_ps(v), _mm256_loadu_ps(x + i), acc[(i >> 3) & 1]);
-    }
-    tail = hsum(_mm256_add_ps(acc[0], acc[1]));
+#define VW 8
+#define VLOAD _mm256_loadu_ps
+#define VFMA _mm256_fmadd_ps
+static inline V wload_bf16(const uint16_t *w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+}
+static inline V wload_f32(const float *w) { return _mm256_loadu_ps(w); }
 #endif
-    for (; i < k; i++) tail += bf16_to_f32(w[i]) * x[i];
-    return tail;
+
+/* One weight row against nb (<= NB, a constant where inlined) activation rows: x row b at
+ * x + b*ldx, its result to y[b*ldy]. Two accumulators per activation row take alternate
+ * groups (blocks) to hide the FMA latency; one horizontal sum per row. The weight row is
+ * widened once per group for all nb rows; each row's operations do not depend on nb. */
+#define NB 4
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void rows_q4(const uint8_t *q, const uint16_t *sm, int groups, const float *x, long ldx, const float *xs,
+                    long ldxs, float *y, long ldy, const int nb) {
+    float mins[NB];
+    V acc[NB][2];
+    for (int b = 0; b < nb; b++) {
+        mins[b] = 0.0f;
+        acc[b][0] = acc[b][1] = VZERO;
+    }
+    /* the min's part, sum over groups of min * (sum of the group's x), in group order */
+#define Q4_STEP(G, A)                                                                          \
+    {                                                                                          \
+        W32 w;                                                                                 \
+        q4_unpack(q, G, &w);                                                                   \
+        const V s = VSET1(f16_to_f32(sm[2 * (G)]));                                            \
+        const float mn = f16_to_f32(sm[2 * (G) + 1]);                                          \
+        for (int b = 0; b < nb; b++) {                                                         \
+            acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);                               \
+            mins[b] += mn * xs[b * ldxs + (G)];                                                \
+        }                                                                                      \
+    }
+    int g = 0;
+    for (; g + 1 < groups; g += 2) {
+        Q4_STEP(g, 0)
+        Q4_STEP(g + 1, 1)
+    }
+    if (g < groups) Q4_STEP(g, 0)
+    for (int b = 0; b < nb; b++) y[b * ldy] = hsum(VADD(acc[b][0], acc[b][1])) + mins[b];
 }
 
-static float row_f32(const float *w, const float *x, int k) {
+INLINE void rows_q8(const int8_t *q, const uint16_t *sc, int groups, const float *x, long ldx, float *y, long ldy,
+                    const int nb) {
+    V acc[NB][2];
+    for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = VZERO;
+#define Q8_STEP(G, A)                                                                          \
+    {                                                                                          \
+        W32 w;                                                                                 \
+        q8_unpack(q, G, &w);                                                                   \
+        const V s = VSET1(f16_to_f32(sc[G]));                                                  \
+        for (int b = 0; b < nb; b++) acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);      \
+    }
+    int g = 0;
+    for (; g + 1 < groups; g += 2) {
+        Q8_STEP(g, 0)
+        Q8_STEP(g + 1, 1)
+    }
+    if (g < groups) Q8_STEP(g, 0)
+    for (int b = 0; b < nb; b++) y[b * ldy] = hsum(VADD(acc[b][0], acc[b][1]));
+}
+
+/* bf16 (bf16 = 1) or f32 weights: blocks of VW, then a scalar tail */
+INLINE void rows_dense(const void *wr, int bf16, int k, const float *x, long ldx, float *y, long ldy, const int nb) {
+    float tail[NB];
     int i = 0;
-    float tail = 0.0f;
-#if defined(__AVX512F__)
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (; i + 16 <= k; i += 16)
-        acc[(i >> 4) & 1] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), acc[(i >> 4) & 1]);
-    tail = hsum(_mm512_add_ps(acc[0], acc[1]));
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; i + 8 <= k; i += 8)
-        acc[(i >> 3) & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc[(i >> 3) & 1]);
-    tail = hsum(_mm256_add_ps(acc[0], acc[1]));
+#ifdef VW
+    V acc[NB][2];
+    for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = VZERO;
+#define DENSE_STEP(I, A)                                                                        \
+    {                                                                                           \
+        const V v = bf16 ? wload_bf16((const uint16_t *)wr + (I)) : wload_f32((const float *)wr + (I)); \
+        for (int b = 0; b < nb; b++) acc[b][A] = VFMA(v, VLOAD(x + b * ldx + (I)), acc[b][A]);  \
+    }
+    for (; i + 2 * VW <= k; i += 2 * VW) {
+        DENSE_STEP(i, 0)
+        DENSE_STEP(i + VW, 1)
+    }
+    if (i + VW <= k) {
+        DENSE_STEP(i, 0)
+        i += VW;
+    }
+    for (int b = 0; b < nb; b++) tail[b] = hsum(VADD(acc[b][0], acc[b][1]));
+#else
+    for (int b = 0; b < nb; b++) tail[b] = 0.0f;
 #endif
-    for (; i < k; i++) tail += w[i] * x[i];
-    return tail;
+    for (int b = 0; b < nb; b++) {
+        float t = tail[b];
+        for (int j = i; j < k; j++)
+            t += (bf16 ? bf16_to_f32(((const uint16_t *)wr)[j]) : ((const float *)wr)[j]) * x[b * ldx + j];
+        y[b * ldy] = t;
+    }
+}
+
+/* weight row r of m against nb activation rows */
+INLINE void row_times(const Mat *m, long r, const float *x, long ldx, const float *xs, long ldxs, float *y, long ldy,
+                      const int nb) {
+    const int k = m->k, groups = k / GROUP;
+    switch (m->kind) {
+    case MAT_Q4:
+        rows_q4((const uint8_t *)m->w + r * (k / 2), m->s + r * groups * 2, groups, x, ldx, xs, ldxs, y, ldy, nb);
+        break;
+    case MAT_Q8:
+        rows_q8((const int8_t *)m->w + r * k, m->s + r * groups, groups, x, ldx, y, ldy, nb);
+        break;
+    case MAT_BF16:
+        rows_dense((const uint16_t *)m->w + r * k, 1, k, x, ldx, y, ldy, nb);
+        break;
+    default:
+        rows_dense((const float *)m->w + r * k, 0, k, x, ldx, y, ldy, nb);
+    }
 }
 
 void group_sums(const float *x, int k, float *xs) {
@@ -175,28 +251,30 @@ void group_sums(const float *x, int k, float *xs) {
     }
 }
 
-void mat_vec(const Mat *m, const float *x, const float *xs, float *y) {
-    const int n = m->n, k = m->k, groups = k / GROUP;
-    switch (m->kind) {
-    case MAT_Q4:
+/* Y[b] = W X[b] for B activation rows (x rows ldx apart, their group sums xs rows ldxs apart,
+ * y rows ldy apart): each weight row is read from memory once and multiplied by up to NB
+ * activation rows per pass while it is in cache, so B rows cost about one row's weight
+ * traffic. Row (r, b) gets the same operations whatever B is: batched rows equal single ones
+ * bit for bit. Rows are split across threads statically and each row is summed in one
+ * fixed order: the result does not depend on the thread count. */
+void mat_mul(const Mat *m, int B, const float *x, long ldx, const float *xs, long ldxs, float *y, long ldy) {
+    const int n = m->n;
 #pragma omp parallel for schedule(static)
-        for (int r = 0; r < n; r++)
-            y[r] = row_q4((const uint8_t *)m->w + (long)r * (k / 2), m->s + (long)r * groups * 2, x, xs, groups);
-        break;
-    case MAT_Q8:
-#pragma omp parallel for schedule(static)
-        for (int r = 0; r < n; r++)
-            y[r] = row_q8((const int8_t *)m->w + (long)r * k, m->s + (long)r * groups, x, groups);
-        break;
-    case MAT_BF16:
-#pragma omp parallel for schedule(static)
-        for (int r = 0; r < n; r++) y[r] = row_bf16((const uint16_t *)m->w + (long)r * k, x, k);
-        break;
-    default:
-#pragma omp parallel for schedule(static)
-        for (int r = 0; r < n; r++) y[r] = row_f32((const float *)m->w + (long)r * k, x, k);
+    for (int r = 0; r < n; r++) {
+        for (int b0 = 0; b0 < B; b0 += NB) {
+            const float *xb = x + b0 * ldx, *xsb = xs + b0 * ldxs;
+            float *yb = y + b0 * ldy + r;
+            switch (B - b0) {
+            case 1: row_times(m, r, xb, ldx, xsb, ldxs, yb, ldy, 1); break;
+            case 2: row_times(m, r, xb, ldx, xsb, ldxs, yb, ldy, 2); break;
+            case 3: row_times(m, r, xb, ldx, xsb, ldxs, yb, ldy, 3); break;
+            default: row_times(m, r, xb, ldx, xsb, ldxs, yb, ldy, 4);
+            }
+        }
     }
 }
+
+void mat_vec(const Mat *m, const float *x, const float *xs, float *y) { mat_mul(m, 1, x, 0, xs, 0, y, 0); }
 
 /* The Python side's check of the packing: y = W x for one matrix (tests, the bench). */
 void mat_vec_one(const Mat *m, const float *x, float *y, float *xs) {

@@ -23,6 +23,7 @@ typedef struct {
  * not depend on the thread count. */
 void mat_vec(const Mat *m, const float *x, const float *xs, float *y);
 void group_sums(const float *x, int k, float *xs);
+void mat_mul(const Mat *m, int B, const float *x, long ldx, const float *xs, long ldxs, float *y, long ldy);
 
 int decode_attention(const float *q, const void *k, const void *v, long head_stride, int KV, int G,
                      int D, int S, float scale, int bf16, float *out, float *scratch);

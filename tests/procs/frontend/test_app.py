@@ -95,6 +95,8 @@ def test_chat_whole():
     assert req.kind == "chat" and req.stop == ("\n",) and not req.logprobs
     assert req.sampling == SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=3)
     assert req.messages[0].role == "user" and req.messages[0].content == "hi"
+    r = c.simulate_post("/v1/chat/completions", json=chat_body(max_tokens=5, ignore_eos=True))
+    assert r.status_code == 200 and be.requests[-1].sampling.ignore_eos
 
 
 def test_chat_defaults_and_message_forms():

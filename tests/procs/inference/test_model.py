@@ -425,3 +425,19 @@ def test_padding_ids_past_the_tokenizer_are_never_sampled():
         tok, _, _ = Sampler(SamplingParams(vocab=3, temperature=5.0, seed=seed))(logits)
         assert tok < 3
     assert Sampler(SamplingParams())(logits)[0] == 3          # without the limit, the padding row wins
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_ignore_eos_never_picks_a_stop_id(temperature):
+    """A stop id that would win (greedy) or take almost all the mass is never picked; its
+    log-probability stays the model's; a grammar's mask (its own end) is left alone."""
+    logits = torch.full((50,), -5.0)
+    logits[7], logits[3] = 10.0, 2.0
+    p = SamplingParams(temperature=temperature, seed=1, stop_ids=(7,), ignore_eos=True)
+    for _ in range(20):
+        tok, lp, _ = Sampler(p)(logits)
+        assert tok != 7
+    assert Sampler(SamplingParams(temperature=0.0, stop_ids=(7,)))(logits)[0] == 7
+    masked = torch.full((50,), float("-inf"))
+    masked[7] = 10.0
+    assert Sampler(p)(logits, masked)[0] == 7

@@ -83,5 +83,7 @@ def test_room_says_whether_a_kept_session_is_in_the_way():
     assert pool.room(5000, set(), new=True)[1]         # nothing kept: one conversation may fill it
     sid, s = pool.add()                                # an empty third
     s.tokens = []
-    pool.drop_empty(but=0)
+    pool.drop_empty(but={sid})                         # a running job's cold session: kept
+    assert list(pool.by_id) == [1, 2, sid]
+    pool.drop_empty(but={1})
     assert list(pool.by_id) == [1, 2]

@@ -207,9 +207,9 @@ def test_can_keep_and_live_reuse_refuse_the_rows_below_the_floor(gemma):
     assert live_reuse(ids[:20], 20, s.tokens, False, CHUNK, s.can_keep) == (0, True)
     assert live_reuse(ids[:20], 20, s.tokens, False, CHUNK) == (16, False)   # without the check
     # the inference worker's plan asks the session
-    w = SimpleNamespace(live=s, s=SimpleNamespace(chunk_size=CHUNK), log=LOG)
-    assert Worker.plan(w, SimpleNamespace(ids=ids, reuse=18, rid="j")) == 0
-    assert Worker.plan(w, SimpleNamespace(ids=ids, reuse=20, rid="j")) == 20
+    w = SimpleNamespace(s=SimpleNamespace(chunk_size=CHUNK), log=LOG)
+    assert Worker.plan(w, SimpleNamespace(ids=ids, reuse=18, rid="j"), s) == 0
+    assert Worker.plan(w, SimpleNamespace(ids=ids, reuse=20, rid="j"), s) == 20
     # a truncate to 0 forgets the floor; what is prefilled after it is whole
     s.truncate(0)
     assert s.window_floor == 0

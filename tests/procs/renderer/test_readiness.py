@@ -184,11 +184,11 @@ def test_a_long_prefill_chunk_does_not_make_the_server_unready(renderer):
     r.on_event(m.LiveState(rid="", boot="inf-1", sessions=()))
     r.on_event(m.PersisterState(boot="p-1", index=m.IndexSnapshot(entries=(), version=1)))
     request(r, "long")
-    assert r.current is not None and r.current.req.rid == "long"
+    assert list(r.running) == ["long"]
     r.last_heard -= readiness.HEALTH_FRESH_S + 2          # silent for longer than the idle window
     assert health(r).ready
     r.last_heard -= readiness.BUSY_FRESH_S                # ... but not forever
     assert not health(r).ready and "not answering" in health(r).detail
-    r.current = None                                         # idle: the short window again
+    r.running.clear()                                        # idle: the short window again
     r.last_heard = time.monotonic() - readiness.HEALTH_FRESH_S - 1
     assert not health(r).ready

@@ -1,0 +1,170 @@
+"""Several agent conversations at once against one ricordo server, against one conversation
+alone on the same server, in one run (issue 18's figures).
+
+Each conversation is an agent's: a first prompt of about --system-words words (about 4,000
+tokens with the default model), then turns of about --turn-words new words and an answer of
+exactly --answer-tokens tokens (temperature 0, ignore_eos, so every run decodes the same
+amount). Phase one runs one conversation alone; phase two runs --conversations others at once
+(each in its own thread, turn after turn, so their turns interleave as agents' do). In each
+phase the first turns (cold prompts) run first; the figures are of the later turns, whose
+conversations are resident:
+
+- aggregate answer tokens/s: every later turn's answer tokens over the phase's wall time
+  (their prompts' new tokens are prefilled inside it); the ratio is phase two over phase one;
+- p50 time to first token of those turns; the ratio is phase two over phase one;
+- restores from disk during those turns (the trace's hits: 0 when every conversation stays
+  resident) and the tokens reported cached;
+- the inference process's peak RSS, against its RSS after the first turns plus the K/V budget.
+
+    .venv/bin/python bench/bench_parallel.py [--conversations 4] [--turns 4] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_agent import conversation  # noqa: E402
+from bench.bench_model import cpu_name  # noqa: E402
+from bench.report import emit, log  # noqa: E402
+from tests.e2e.server import Server  # noqa: E402
+
+HIT = re.compile(r"KV cache: hit for sha1=")
+
+
+def turn(client, messages, n: int) -> dict:
+    t0 = time.perf_counter()
+    first, parts, usage = None, [], None
+    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=n, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter() - t0
+            parts.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    return {"ttft_s": first or 0.0, "total_s": time.perf_counter() - t0, "answer": "".join(parts),
+            "tokens": usage.completion_tokens, "prompt": usage.prompt_tokens,
+            "cached": usage.prompt_tokens_details.cached_tokens}
+
+
+class Peak:
+    """The peak RSS of a process, sampled every 50 ms in a thread."""
+
+    def __init__(self, proc: psutil.Process):
+        self.proc, self.peak, self.stop = proc, 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(0.05)
+
+
+def phase(srv: Server, trace: Path, seeds: list[int], args) -> dict:
+    """Conversations seeds at once: their first turns, then their later turns interleaved."""
+    convs = []
+    for seed in seeds:
+        system, users = conversation(seed, args.system_words, args.turn_words, args.turns)
+        convs.append({"messages": [{"role": "system", "content": system}], "users": users, "turns": []})
+
+    def run_turns(c, turns):
+        for u in turns:
+            c["messages"].append({"role": "user", "content": u})
+            r = turn(srv.client(), c["messages"], args.answer_tokens)
+            c["messages"].append({"role": "assistant", "content": r["answer"]})
+            c["turns"].append(r)
+
+    def together(turns_of):
+        threads = [threading.Thread(target=run_turns, args=(c, turns_of(c))) for c in convs]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+    together(lambda c: c["users"][:1])                       # the cold first turns
+    mark = len(trace.read_text())
+    wall = together(lambda c: c["users"][1:])
+    later = [t for c in convs for t in c["turns"][1:]]
+    assert all(t["tokens"] == args.answer_tokens for t in later), [t["tokens"] for t in later]
+    return {"conversations": len(seeds), "wall_s": wall, "answer_tokens": sum(t["tokens"] for t in later),
+            "aggregate_tok_s": sum(t["tokens"] for t in later) / wall,
+            "ttft_p50_s": statistics.median(t["ttft_s"] for t in later),
+            "stream_tok_s_p50": statistics.median((t["tokens"] - 1) / max(t["total_s"] - t["ttft_s"], 1e-9)
+                                                  for t in later),
+            "disk_restores": len(HIT.findall(trace.read_text()[mark:])),
+            "cached_share_min": min(t["cached"] / t["prompt"] for t in later),
+            "first_prompt_tokens": statistics.median(c["turns"][0]["prompt"] for c in convs)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="", help="GGUF path or catalogue name; empty = the default model")
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-words", type=int, default=2600)
+    ap.add_argument("--turn-words", type=int, default=140)
+    ap.add_argument("--answer-tokens", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--kv-ram-mb", type=int, default=1024, help="the K/V budget of resident sessions")
+    ap.add_argument("--trace", default="", help="keep the cache trace in this file")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    n = args.conversations
+    with tempfile.TemporaryDirectory(prefix="ricordo-parallel-") as tmp:
+        trace = Path(args.trace or Path(tmp) / "trace.log")
+        env = {"RICORDO_MODEL": args.model, "RICORDO_CTX_SIZE": str(args.ctx), "RICORDO_TRACE": str(trace),
+               "RICORDO_KV_DISK_DIR": str(Path(tmp) / "kv"), "RICORDO_PARALLEL": str(n),
+               "RICORDO_MAX_LIVE_SESSIONS": str(n + 1), "RICORDO_KV_RAM_SPACE_MB": str(args.kv_ram_mb)}
+        with Server(env=env, name="ricordo-bench-parallel") as srv:
+            # the inference process itself (honcho starts it through a shell): the largest one
+            inference = max((p for p in srv.processes() if "inference" in " ".join(p.cmdline())),
+                            key=lambda p: p.memory_info().rss)
+            base = inference.memory_info().rss
+            peak = Peak(inference)
+            log(f"one conversation alone ({args.turns} turns) ...")
+            alone = phase(srv, trace, [1000], args)
+            log(f"{n} conversations at once ...")
+            many = phase(srv, trace, [2000 + i for i in range(n)], args)
+            peak.stop.set()
+            info = srv.http().get("/health").json()
+    res = {"cpu": cpu_name(), "dtype": info.get("dtype"), "model": info.get("model"), "alone": alone, "many": many,
+           "aggregate_ratio": many["aggregate_tok_s"] / alone["aggregate_tok_s"],
+           "ttft_ratio": many["ttft_p50_s"] / alone["ttft_p50_s"],
+           "peak_rss_mib": peak.peak / 2**20, "rss_after_load_mib": base / 2**20, "kv_budget_mib": args.kv_ram_mb}
+    rows = [("later turns", f"{alone['conversations']} conversation", f"{n} at once", "ratio"),
+            ("aggregate answer tok/s", f"{alone['aggregate_tok_s']:.1f}", f"{many['aggregate_tok_s']:.1f}",
+             f"{res['aggregate_ratio']:.2f}x"),
+            ("p50 TTFT (s)", f"{alone['ttft_p50_s']:.3f}", f"{many['ttft_p50_s']:.3f}", f"{res['ttft_ratio']:.2f}x"),
+            ("p50 stream tok/s", f"{alone['stream_tok_s_p50']:.1f}", f"{many['stream_tok_s_p50']:.1f}", ""),
+            ("restores from disk", str(alone["disk_restores"]), str(many["disk_restores"]), ""),
+            ("least cached share", f"{alone['cached_share_min']:.3f}", f"{many['cached_share_min']:.3f}", "")]
+    txt = "\n".join([f"CPU: {res['cpu']}; dtype {res['dtype']}; model {res['model']}; first prompts "
+                     f"~{many['first_prompt_tokens']:.0f} tokens; {args.turns - 1} later turns each, "
+                     f"{args.answer_tokens} answer tokens", ""] +
+                    [f"| {' | '.join(r)} |" for r in rows[:1]] + ["|---|---|---|---|"] +
+                    [f"| {' | '.join(r)} |" for r in rows[1:]] +
+                    ["", f"inference peak RSS {res['peak_rss_mib']:.0f} MiB; after load {res['rss_after_load_mib']:.0f} "
+                         f"MiB + K/V budget {args.kv_ram_mb} MiB = "
+                         f"{res['rss_after_load_mib'] + args.kv_ram_mb:.0f} MiB"])
+    return emit(txt, res, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The jobs in flight and how they advance: each Run prefills its prompt a chunk at a time
+and then decodes, and every decoding run advances in one batched step (kvsession.decode_many:
+one read of each weight for all of them). A mixin of Worker (procs/inference/server.py),
+whose state it uses: s, active, sessions, frontiers, disk, guides, keep, cancelled, n_ctx,
+send, start, make_room, log.
+
+Order: the loop (Worker.run) gives one prefill chunk to the prefilling run served longest
+ago, then one decode step to every decoding run, so a long prompt delays the others' streams
+by one chunk at a time, and prompts take turns chunk by chunk.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common import kvfile
+from common import messages as m
+from common import metrics
+from common.policy import continued_frontiers
+from procs.inference.kvsession import KVSession, decode_many
+from procs.inference.plan import prompt_saves
+from procs.inference.sampling import Sampler
+
+
+@dataclass(eq=False)
+class Run:
+    job: m.Job
+    t0: float
+    sid: int = 0
+    sess: KVSession | None = None
+    ids: list[int] = field(default_factory=list)   # the effective prompt
+    r: int = 0                                       # its tokens reused (live or restored)
+    fallback_cold: bool = False                      # the planned restore failed
+    saves: list = field(default_factory=list)        # checkpoints inside the prompt
+    want: set = field(default_factory=set)           # positions whose logits the saves need
+    got: dict = field(default_factory=dict)          # position -> logits there
+    served: int = 0                                  # the loop's tick when it last got a chunk
+    last_log: float = 0.0
+    t1: float | None = None                          # prefill done
+    sampler: Sampler | None = None
+    guide: object = None
+    stop_ids: frozenset = frozenset()
+    budget: int = 0
+    n: int = 0                                       # tokens generated
+    logits: torch.Tensor | None = None               # next-token logits; set: decoding
+
+    @property
+    def rid(self) -> str:
+        return self.job.rid
+
+
+class Runs:
+    def begin(self, job: m.Job) -> Run:
+        """Put a job's session in place (restore, copy or cut) and make it a Run."""
+        run = self.active[job.rid] = Run(job=job, t0=time.perf_counter())
+        run.last_log = run.t0
+        run.ids, run.r = self.start(job, run)
+        if self.disk.enabled:
+            run.saves, frontiers = prompt_saves(self.s, job.saves, run.r, len(run.ids), run.fallback_cold,
+                                                self.frontiers.get(run.sid, 0))
+            run.want = {p.pos for p in run.saves} | set(frontiers)
+        if len(run.sess) >= len(run.ids):     # nothing to prefill
+            self.prefilled(run)
+        return run
+
+    def prefill_chunk(self, run: Run, tick: int) -> None:
+        sess, job = run.sess, run.job
+        run.served = tick
+        start, end = len(sess), len(run.ids)
+        hi = sess.boundaries(start, end)[0]
+        run.got.update(sess.prefill(run.ids[start:hi], logits_at=run.want))
+        done, total = hi - run.r, end - run.r
+        self.send(m.Progress(rid=job.rid, done=done, total=total))
+        now = time.perf_counter()
+        if total >= 2048 and now - run.last_log > 2:
+            run.last_log = now
+            rate = done / (now - run.t0)
+            self.log.info("prefill %s: %d%% (%d/%d), %.0f tok/s, %.1f s left", job.rid, 100 * done // total,
+                          done, total, rate, (total - done) / rate)
+        if hi == end:
+            self.prefilled(run)
+
+    def prefilled(self, run: Run) -> None:
+        sess, job = run.sess, run.job
+        run.got[len(sess)] = sess.logits
+        run.t1 = time.perf_counter()
+        run.sampler = Sampler(job.sampling)
+        run.guide = self.guides.start(job.constraint)
+        run.stop_ids = frozenset(job.sampling.stop_ids)
+        run.budget = min(job.sampling.max_tokens, self.n_ctx - len(sess))
+        run.logits = sess.logits
+        if run.budget <= 0:
+            self.send(m.Token(rid=job.rid, id=-1, logprob=0.0, finish="length"))
+            self.save_prompt(run)
+            self.end(run, "length")
+
+    def save_prompt(self, run: Run) -> None:
+        """The prompt's checkpoints: after the first token, so never on the TTFT path."""
+        for p in run.saves:
+            self.disk.save(run.sess, p.pos, run.got.get(p.pos), p.reason)
+        if self.disk.enabled:
+            self.save_frontiers(run, run.r, len(run.ids), run.got)
+
+    def save_frontiers(self, run: Run, start: int, end: int, logits_at: dict) -> None:
+        s = self.s
+        for f in continued_frontiers(start, end, s.kv_cache_continued_interval_tokens,
+                                     s.kv_cache_boundary_align_tokens, self.frontiers.get(run.sid, 0)):
+            if self.disk.save(run.sess, f, logits_at.get(f), kvfile.CONTINUED):
+                self.frontiers[run.sid] = f
+
+    def decode_round(self, runs: list[Run]) -> list[Run]:
+        """Sample one token for each decoding run and send it; the runs that go on advance in
+        one batched step. Returns the runs of that step (a failure there is theirs)."""
+        going, tokens = [], []
+        for run in runs:
+            job = run.job
+            tok, lp, top = run.sampler(run.logits, run.guide.mask(run.logits) if run.guide else None)
+            if run.guide:
+                run.guide.advance(tok)
+            run.n += 1
+            finish = "stop" if tok in run.stop_ids else ("length" if run.n >= run.budget else "")
+            self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish))
+            if run.n == 1:
+                self.save_prompt(run)
+            if finish:
+                # the last token is not run (unless asked): the next turn's prompt starts
+                # with it, and its prefill takes it for almost nothing
+                if job.run_last and len(run.sess) < self.n_ctx:
+                    run.sess.decode(tok)
+                self.end(run, finish)
+                continue
+            going.append(run)
+            tokens.append(tok)
+        if not going:
+            return going
+        metrics.M.batch_size.observe(len(going))
+        for run, logits in zip(going, decode_many([r.sess for r in going], tokens)):
+            run.logits = logits
+            sess = run.sess
+            if self.disk.enabled and not sess.exact:   # exact: decode rows are redone at the end
+                self.save_frontiers(run, len(sess) - 1, len(sess), {len(sess): logits})
+        return going
+
+    def redo_answer(self, run: Run, n_prompt: int, prompt_logits, end: int) -> None:
+        """Exact mode: the rows decode appended (int4 kernels) are not what a prefill
+        computes. Replace them by a prefill of the same tokens (the answer is sent already;
+        only the next job waits), so the session and its checkpoints hold prefill rows only
+        and the next turn still finds the answer cached."""
+        sess, s = run.sess, self.s
+        redo = sess.tokens[n_prompt:end]
+        sess.truncate(n_prompt)
+        sess.logits = prompt_logits
+        if not redo:
+            return
+        frontiers = continued_frontiers(n_prompt, end, s.kv_cache_continued_interval_tokens,
+                                        s.kv_cache_boundary_align_tokens, self.frontiers.get(run.sid, 0)) \
+            if self.disk.enabled else []
+        got = sess.prefill(redo, logits_at=frontiers)
+        if frontiers:
+            self.save_frontiers(run, n_prompt, end, got)
+
+    def end(self, run: Run, reason: str) -> None:
+        """The job is over (finished, cut by its client, or stopped): its session keeps what
+        the answer keeps, and the renderer hears JobDone."""
+        job, sess = run.job, run.sess
+        t1 = run.t1 or time.perf_counter()
+        keep = self.keep.pop(job.rid, -1)
+        if sess.exact and len(sess) > len(run.ids) and len(run.ids) in run.got:
+            self.redo_answer(run, len(run.ids), run.got[len(run.ids)], keep if 0 < keep < len(sess) else len(sess))
+        elif 0 < keep < len(sess):   # tokens the answer does not keep (after a tool call):
+            last = sess.tokens[keep - 1]   # cut them, and re-run the last kept token for
+            sess.truncate(keep - 1)        # its logits (decode rows, as when generated),
+            sess.decode(last)              # so the session can still be checkpointed
+        t2 = time.perf_counter()
+        self.active.pop(job.rid, None)
+        self.cancelled.discard(job.rid)
+        self.make_room(0, {run.sid}, False, job.unsaved)   # the session grew: others may leave
+        self.send(self.done(job.rid, reason, run))
+        source = "disk" if job.restore and run.r else ("live" if run.r else "cold")
+        todo, n = len(run.ids) - run.r, run.n
+        self.log.info("job %s: %s, cached %d, suffix %d prefilled in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s, %s",
+                      job.rid, source, run.r, todo, t1 - run.t0, todo / max(t1 - run.t0, 1e-9), n,
+                      n / max(t2 - t1, 1e-9), reason)
+        if todo >= 16:
+            metrics.M.prefill_rate.observe(todo / max(t1 - run.t0, 1e-9))
+        if n >= 8:
+            metrics.M.decode_rate.observe(n / max(t2 - t1, 1e-9))
+        metrics.M.live_tokens.set(self.sessions.tokens)
+        metrics.M.live_sessions.set(len(self.sessions))
+        metrics.M.resident_bytes.set(self.sessions.nbytes)
+
+    def fail(self, run: Run, e: Exception) -> None:
+        """The request fails; the process and the other requests go on. Its session is
+        dropped (its rows may be half written)."""
+        self.log.error("job %s failed: %s", run.rid, e, exc_info=e)
+        self.active.pop(run.rid, None)
+        self.cancelled.discard(run.rid)
+        self.keep.pop(run.rid, None)
+        if run.sess is not None:
+            run.sess.truncate(0)
+            self.sessions.drop(run.sid)
+        self.send(m.JobError(rid=run.rid, message=f"inference error: {e}", live=(), session=0,
+                             resident=tuple(self.sessions.by_id)))

@@ -1,0 +1,111 @@
+"""The renderer sends up to --parallel jobs to inference at once: unrelated requests run
+together, a request that continues a running job's conversation waits for that job (so it
+finds the whole turn in the job's session), and a session a running job uses is never
+planned in place for another. The real Renderer on a temp run dir, messages captured."""
+from __future__ import annotations
+
+import pytest
+
+from common import messages as m
+from common.config import Settings
+from procs.renderer import server as rs
+
+from .test_readiness import Captured, LOG, inference_up, keep_signals  # noqa: F401 (a fixture)
+
+SYSTEM = "You are a careful assistant for the railway museum. " * 12
+
+
+@pytest.fixture
+def make(tmp_path, keep_signals):
+    made = []
+
+    def build(parallel: int) -> rs.Renderer:
+        s = Settings(run_dir=str(tmp_path / f"run{len(made)}"), kv_cache_min_tokens=16, parallel=parallel)
+        r = rs.Renderer(s, LOG)
+        r.out = Captured()
+        r.to_web = lambda route, msg: r.out.web.append(msg)
+        r.to_inference = r.out.inference.append
+        r.send_persister = r.out.persister.append
+        inference_up(r)
+        r.on_event(m.LiveState(rid="", boot="inf-1", sessions=()))
+        made.append(r)
+        return r
+    yield build
+    for r in made:
+        for sock in (r.router, r.events, r.jobs, r.to_persister):
+            sock.close(0)
+
+
+def chat(r, rid: str, *turns: str) -> None:
+    msgs = [m.ChatMessage(role="system", content=SYSTEM)]
+    for i, t in enumerate(turns):
+        msgs.append(m.ChatMessage(role="user" if i % 2 == 0 else "assistant", content=t))
+    req = m.GenerateRequest(rid=rid, kind="chat", sampling=m.SamplingParams(max_tokens=4), messages=tuple(msgs))
+    r.on_request(b"web-1", r.enc.encode(req))
+
+
+def jobs(r) -> list[str]:
+    return [j.rid for j in r.out.of("inference", m.Job)]
+
+
+def done(r, rid: str, sid: int, answer=(7, 8)) -> None:
+    """Inference's JobDone for rid: its session sid holds the job's prompt and answer."""
+    job = next(j for j in r.out.of("inference", m.Job) if j.rid == rid)
+    resident = tuple(sorted(set(r.live or ()) | {sid}))
+    r.on_event(m.JobDone(rid=rid, reason="stop", live=job.ids + tuple(answer), session=sid, resident=resident))
+
+
+def test_shared_prefix_length():
+    assert rs.shared([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert rs.shared([1, 2, 3], [1, 9, 3]) == 1
+    assert rs.shared([], [1]) == 0
+    assert rs.shared(list(range(1000)), list(range(700)) + [-1] * 300) == 700
+
+
+def test_requests_on_one_system_prompt_run_together_up_to_parallel(make):
+    r = make(parallel=2)
+    chat(r, "a", "Opening hours?")
+    chat(r, "b", "Ticket prices?")
+    chat(r, "c", "Is there a cafe?")
+    assert jobs(r) == ["a"]           # b shares a's cold system prompt (> min tokens): it waits for a's session
+    done(r, "a", 1)
+    assert jobs(r) == ["a", "b", "c"]
+    b, c = r.out.of("inference", m.Job)[1:]
+    assert b.session == 1 and b.reuse > 0           # b drops a few tokens of a's turn: in place
+    assert c.source == 1 and c.session == 0 and c.reuse == b.reuse   # session 1 is b's now: c copies it
+    assert set(r.running) == {"b", "c"}
+    chat(r, "d", "Where is the station?")
+    assert jobs(r)[-1] == "c"         # two run: d waits for a free slot
+    done(r, "c", 2)
+    assert jobs(r)[-1] == "d"
+
+
+def test_the_next_turn_waits_for_its_running_job_and_then_continues_its_session(make):
+    r = make(parallel=4)
+    chat(r, "t1", "Opening hours?")
+    done(r, "t1", 1)
+    other = m.GenerateRequest(rid="other", kind="completion", sampling=m.SamplingParams(max_tokens=2),
+                              prompt="A completely unrelated prompt about pottery.")
+    r.on_request(b"web-1", r.enc.encode(other))
+    assert jobs(r) == ["t1", "other"] and r.out.of("inference", m.Job)[-1].reuse == 0
+    chat(r, "t2", "Opening hours?", "Nine to five.", "And on Sunday?")
+    # the continuation's plan is session 1 in place; it does not wait for "other", which
+    # runs in a session of its own
+    j = r.out.of("inference", m.Job)[-1]
+    assert j.rid == "t2" and j.session == 1 and j.reuse > 0
+    chat(r, "t3", "Opening hours?", "Nine to five.", "And on Sunday?", "Closed.", "Thanks!")
+    assert jobs(r)[-1] == "t2"        # t2 runs in session 1: t3 (its next turn) waits for it
+    done(r, "t2", 1)
+    j = r.out.of("inference", m.Job)[-1]
+    assert j.rid == "t3" and j.session == 1
+
+
+def test_one_at_a_time_with_parallel_one(make):
+    r = make(parallel=1)
+    chat(r, "a", "Opening hours?")
+    req = m.GenerateRequest(rid="x", kind="completion", sampling=m.SamplingParams(max_tokens=2),
+                            prompt="A completely unrelated prompt about pottery.")
+    r.on_request(b"web-1", r.enc.encode(req))
+    assert jobs(r) == ["a"]
+    done(r, "a", 1)
+    assert jobs(r) == ["a", "x"]
