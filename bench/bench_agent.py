@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_model import cpu_name  # noqa: E402
+from bench.bench_model import cpu_name, extra_bufts_work  # noqa: E402
 from bench.report import emit, log  # noqa: E402
 from common.config import Settings  # noqa: E402
 from common.models import resolve  # noqa: E402
@@ -61,6 +61,12 @@ def conversation(seed: int, system_words: int, turn_words: int, turns: int):
     return system, [first] + later
 
 
+PLAIN_SERVER = ("import runpy, sys; import llama_cpp.llama_cpp as lcc; dp = lcc.llama_model_default_params\n"
+                "def plain():\n    p = dp()\n    p.use_extra_bufts = False\n    return p\n"
+                "lcc.llama_model_default_params = plain; sys.argv[0] = 'llama_cpp.server'\n"
+                "runpy.run_module('llama_cpp.server', run_name='__main__')")
+
+
 class LlamaCppServer(Clients):
     """llama-cpp-python's OpenAI server with its disk cache (in its own directory, which a
     restart keeps)."""
@@ -68,7 +74,10 @@ class LlamaCppServer(Clients):
     def __init__(self, model: str, ctx: int, threads: int):
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="llama-cpp-bench-"))
-        self.cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_ctx", str(ctx),
+        # where ggml's extra CPU buffer types (weight repacking) crash on this file and CPU
+        # (seen on an AMX Xeon), the server runs without them, as bench_model measures it
+        launch = ["-m", "llama_cpp.server"] if extra_bufts_work(model, threads) else ["-c", PLAIN_SERVER]
+        self.cmd = [sys.executable, *launch, "--model", model, "--n_ctx", str(ctx),
                     "--n_threads", str(threads), "--n_threads_batch", str(threads), "--cache", "True",
                     "--cache_type", "disk", "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = None

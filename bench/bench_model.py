@@ -283,7 +283,11 @@ RSS_CHILD = {
                 "'--threads', sys.argv[3], '--dtype', sys.argv[6]])); r = random.Random(0); "
                 "s = KVSession(m, ctx, 512); s.prefill([r.randrange(100, 40000) for _ in range(int(sys.argv[4]))]); "
                 "[s.decode(r.randrange(100, 40000)) for _ in range(16)]; " + _PEAK),
-    "llama.cpp": ("import sys, random; from llama_cpp import Llama; "
+    "llama.cpp": ("import sys, random; from llama_cpp import Llama; import llama_cpp.llama_cpp as lcc; "
+                  # argv[7] == 'plain': without the extra CPU buffer types (they crash on this file here)
+                  "dp = lcc.llama_model_default_params; "
+                  "pp = lambda: (lambda p: (setattr(p, 'use_extra_bufts', False), p)[1])(dp()); "
+                  "lcc.llama_model_default_params = pp if sys.argv[7] == 'plain' else dp; "
                   "m = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]), "
                   "n_batch=512, verbose=False); r = random.Random(0); "
                   "m.eval([r.randrange(100, 40000) for _ in range(int(sys.argv[4]))]); "
@@ -291,7 +295,8 @@ RSS_CHILD = {
 }
 
 
-def peak_rss_children(path: str, ctx: int, prompt: int, threads: int, dtype: str, peer: bool) -> dict:
+def peak_rss_children(path: str, ctx: int, prompt: int, threads: int, dtype: str, peer: bool,
+                      plain: bool = False) -> dict:
     """Peak RSS (MiB) of a fresh process that loads the model with a context of ctx tokens,
     prefills prompt tokens and decodes 16: ricordo's inference and, when peer, llama.cpp's,
     each alone (a shared process would report the larger of the two)."""
@@ -301,7 +306,8 @@ def peak_rss_children(path: str, ctx: int, prompt: int, threads: int, dtype: str
     for name, code in RSS_CHILD.items():
         if name == "llama.cpp" and not peer:
             continue
-        r = subprocess.run([sys.executable, "-c", code, path, str(ctx), str(threads), str(prompt), root, dtype],
+        r = subprocess.run([sys.executable, "-c", code, path, str(ctx), str(threads), str(prompt), root, dtype,
+                            "plain" if plain else "extra"],
                            capture_output=True, text=True, timeout=1800)
         if r.returncode == 0:
             out[name] = float(r.stdout.strip().splitlines()[-1])
@@ -478,7 +484,8 @@ def run(args) -> dict:
         log("peak RSS in fresh processes")
         res["rss_children"] = peak_rss_children(resolve(s.model, s.models_path()), args.rss_context,
                                                 args.rss_prompt, torch.get_num_threads(), args.dtype,
-                                                not args.no_llama_cpp and "llama_cpp" in res)
+                                                not args.no_llama_cpp and "llama_cpp" in res,
+                                                not (res.get("llama_cpp") or {}).get("extra_bufts", True))
     cur, peak = rss_mb()
     res["rss_mb"], res["peak_rss_mb"] = cur, peak
     res["machine"]["loadavg_end"] = os.getloadavg()[0]
