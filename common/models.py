@@ -147,7 +147,7 @@ def _trained(path: str) -> tuple[int, int]:
         return (int(c.get("max_position_embeddings", 4096)),
                 2 * 4 * int(c.get("num_hidden_layers", 1)) * int(c.get("num_key_value_heads", heads)) * head_dim)
     try:
-        g = GGUFFile(path)
+        g = GGUFFile(path, strings=False)
     except GGUFError as e:
         raise ModelError(str(e)) from None
     p = g.arch() + "."

@@ -114,7 +114,7 @@ _REQUIRED = ("n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "head_dim", 
 
 
 def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
-    g = GGUFFile(path)
+    g = GGUFFile(path, strings=False)
     arch = arch_of(g.arch(), path)
     m = g.meta
     p = g.arch() + "."
