@@ -259,6 +259,14 @@ void group_sums(const float *x, int k, float *xs) {
  * fixed order: the result does not depend on the thread count. */
 void mat_mul(const Mat *m, int B, const float *x, long ldx, const float *xs, long ldxs, float *y, long ldy) {
     const int n = m->n;
+#ifndef VW
+    /* portable build: one activation row at a time (the compiler vectorizes the scalar loops
+     * differently for each row count, which would break the bit-equality with single rows) */
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < n; r++)
+        for (int b = 0; b < B; b++) row_times(m, r, x + b * ldx, ldx, xs + b * ldxs, ldxs, y + b * ldy + r, ldy, 1);
+    return;
+#endif
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < n; r++) {
         for (int b0 = 0; b0 < B; b0 += NB) {
