@@ -147,14 +147,13 @@ class Llama:
         inv = 1.0 / (theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         if factors:   # RoPE scaling: per-frequency divisors (loader.ModelConfig)
             inv = inv / torch.tensor(factors, dtype=torch.float64)
-        ang = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)
-        ang = torch.cat([ang, ang], dim=-1)
+        ang = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)   # [ctx, D/2]
+        cos, sin = ang.cos(), ang.sin()       # each half of the table once (it repeats)
         # sin with rotate-half's sign folded in: x*cos + roll(x, D/2)*sin equals
         # x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in fewer ops
-        sign = torch.cat([-torch.ones(c.head_dim // 2), torch.ones(c.head_dim // 2)]).double()
         # YaRN's attention factor scales both tables, as transformers does: q.k gains its square
-        return ((ang.cos() * attn_factor).to(self.device, self.dtype),
-                (ang.sin() * sign * attn_factor).to(self.device, self.dtype))
+        return ((torch.cat([cos, cos], dim=-1) * attn_factor).to(self.device, self.dtype),
+                (torch.cat([-sin, sin], dim=-1) * attn_factor).to(self.device, self.dtype))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; cos/sin: [T, 1, D] (sin signed, see __init__)
