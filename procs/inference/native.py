@@ -198,13 +198,6 @@ class Decoder:
     def __init__(self, lib: ctypes.CDLL, model):
         c = model.cfg
         self.model = model
-        self.fn = lib.decode_step
-        self.fn.restype = ctypes.c_int
-        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-        self.size = lib.decode_step_scratch
-        self.size.restype = ctypes.c_long
-        self.size.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self.batch_fn = lib.decode_batch
         self.batch_fn.restype = ctypes.c_int
         self.batch_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + \
@@ -247,23 +240,8 @@ class Decoder:
         self.scratch = torch.empty(0)
 
     def __call__(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-        model = self.model
-        if not (kc.is_contiguous() and vc.is_contiguous() and kc.stride() == vc.stride()
-                and kc.dtype == vc.dtype == model.dtype):
-            raise ValueError("native decode needs contiguous caches in the compute dtype")
-        x = model.embed_rows(ids[:1])[0]
-        if model.cfg.embed_scale:
-            x = x * model.cfg.embed_scale           # in the compute dtype, as forward() scales it
-        x = x.to(torch.float32, copy=True)          # decode_step overwrites it: never the table's row
-        need = self.size(ctypes.byref(self.m), pos + 1)
-        if self.scratch.numel() < need:
-            self.scratch = torch.empty(need + need // 2)
-        logits = torch.empty(self.vocab)
-        if self.fn(ctypes.byref(self.m), x.data_ptr(), pos, kc.data_ptr(), vc.data_ptr(), kc.stride(0),
-                   kc.stride(1), logits.data_ptr(), self.scratch.data_ptr()):
-            raise ValueError("native decode does not take this model's shapes")
-        return logits.unsqueeze(0)
-
+        """One token of one sequence: the batch of one."""
+        return self.batch(ids[:1], [pos], [(kc, vc)])
 
     def batch(self, ids: torch.Tensor, pos: list[int], caches: list) -> torch.Tensor:
         """B tokens of B sequences in one call: ids [B], pos[b] and caches[b] = (kc, vc) of
@@ -277,7 +255,7 @@ class Decoder:
         x = model.embed_rows(ids)
         if model.cfg.embed_scale:
             x = x * model.cfg.embed_scale
-        x = x.to(torch.float32, copy=True).contiguous()     # [B, dim], overwritten
+        x = x.to(torch.float32, copy=True).contiguous()     # [B, dim]: decode_batch overwrites it, never the table's rows
         need = self.batch_size(ctypes.byref(self.m), B, max(pos) + 1)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need + need // 2)

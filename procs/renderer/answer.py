@@ -40,6 +40,7 @@ class Pending:
     dispatch_seq: int = 0           # pings sent before it; answers to later ones list it
     session: int = 0                # the resident session it runs in (0: a new one)
     reuse: int = 0                  # that session's tokens it keeps (rows below are not rewritten)
+    waits_for: str = ""              # queued: the running job it follows (dispatch waits for it)
 
 
 class Answers:

@@ -263,11 +263,16 @@ class Renderer(Readiness, Answers):
         i = 0
         while i < len(self.queue) and len(self.running) < self.s.batch:
             p = self.queue[i]
+            if p.waits_for in self.running:     # not planned again until that job is done
+                i += 1
+                continue
             busy = {q.session: q.reuse for q in self.running.values() if q.session}
             pl = plan_job(self.s, self.text, self.n_ctx, self.index, self.planning_view(busy),
                           self.inference.quant_bits if self.inference else 0, p.req, p.prompt, p.full,
                           self.hints.get(p.req.session_hint, 0) if p.req.session_hint else 0, set(busy))
-            if any(self.follows(p, q, pl.cached) for q in self.running.values()):
+            q = next((q for q in self.running.values() if self.follows(p, q, pl.cached)), None)
+            if q is not None:
+                p.waits_for = q.req.rid
                 i += 1
                 continue
             del self.queue[i]

@@ -96,14 +96,12 @@ long decode_batch_scratch(const ModelW *m, int B, int S) {
     return B * row_floats(m) + decode_attention_scratch(m->KV, m->H / m->KV, m->D, S);
 }
 
-long decode_step_scratch(const ModelW *m, int S) { return decode_batch_scratch(m, 1, S); }
-
 /* B tokens of B sequences, one step: x [B][dim] holds their embedding rows (scaled as the
  * model scales them; overwritten); sequence b is at position pos[b] with its own caches:
  * the K/V of layer l, head h, position p is at kc[b] + l*layer_stride[b] + h*head_stride[b]
  * + p*D (elements of the cache dtype). The linears read each weight once for all B rows
  * (mat_mul); RoPE, the K/V write and attention are per sequence. Writes logits [B][V] (row
- * b is what decode_step gives for sequence b alone, bit for bit); returns 0, or -1 for a
+ * b is what a batch of that sequence alone gives, bit for bit); returns 0, or -1 for a
  * shape the kernels do not take. scratch: decode_batch_scratch(m, B, max pos + 1) floats. */
 int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *kc, void *const *vc,
                  const long *layer_stride, const long *head_stride, float *logits, float *scratch) {
@@ -162,10 +160,4 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
     }
     mat_mul(&m->head, B, h, dim, xs, XS, logits, m->head.n);
     return 0;
-}
-
-/* One token of one sequence: decode_batch with B = 1 (x [dim], logits [V]). */
-int decode_step(const ModelW *m, float *x, int pos, void *kc, void *vc, long layer_stride, long head_stride,
-                float *logits, float *scratch) {
-    return decode_batch(m, 1, x, &pos, &kc, &vc, &layer_stride, &head_stride, logits, scratch);
 }

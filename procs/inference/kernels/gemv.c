@@ -265,8 +265,7 @@ void mat_mul(const Mat *m, int B, const float *x, long ldx, const float *xs, lon
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < n; r++)
         for (int b = 0; b < B; b++) row_times(m, r, x + b * ldx, ldx, xs + b * ldxs, ldxs, y + b * ldy + r, ldy, 1);
-    return;
-#endif
+#else
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < n; r++) {
         for (int b0 = 0; b0 < B; b0 += NB) {
@@ -280,6 +279,7 @@ void mat_mul(const Mat *m, int B, const float *x, long ldx, const float *xs, lon
             }
         }
     }
+#endif
 }
 
 void mat_vec(const Mat *m, const float *x, const float *xs, float *y) { mat_mul(m, 1, x, 0, xs, 0, y, 0); }
