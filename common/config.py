@@ -43,6 +43,9 @@ class Settings:
     deterministic: bool = opt(False, "answers independent of what was cached: every prefill runs as whole "
                               "chunks and an answer's rows are prefilled again after it is sent (slower short prefills)",
                               ("generate", "inference"))
+    chat_template_file: str = opt("", "a Jinja chat template used instead of the model's own (as llama.cpp's "
+                                  "--chat-template-file); its tool syntax decides how calls are written and parsed",
+                                  ("generate", "renderer"))
     model_id: str = opt("", "model id served by /v1/models (default: file name without extension)", ("web", "renderer"))
     # process wiring
     run_dir: str = opt("", "directory for sockets and shared-memory names (default: one per user and "

@@ -119,15 +119,24 @@ def model_id(path: str) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
-def load_text(path: str) -> TextModel:
+def load_text(path: str, template_file: str = "") -> TextModel:
+    """The model's text side; `template_file` (a Jinja chat template) replaces its own."""
     try:
         if os.path.isdir(path):
             if not os.path.exists(os.path.join(path, "tokenizer.json")):
                 raise ModelError(f"{path}: a model directory needs tokenizer.json")
-            return from_hf_dir(path)
-        return from_gguf(GGUFFile(path))
+            text = from_hf_dir(path)
+        else:
+            text = from_gguf(GGUFFile(path))
     except (GGUFError, TokenizerError) as e:
         raise ModelError(str(e)) from None
+    if template_file:
+        try:
+            with open(template_file, encoding="utf-8") as f:
+                text.chat_template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelError(f"--chat-template-file {template_file}: {e}") from None
+    return text
 
 
 # Without --ctx-size, the model's trained context, as far as its K/V (counted in f32, what an

@@ -41,7 +41,7 @@ def _generate(argv) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: CUDA is not available")
         path = resolve(s.model, s.models_path())
-        text = load_text(path)
+        text = load_text(path, s.chat_template_file)
         model, ctx, load_s = build(s)
     except (ParamError, ModelError, ModelLoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ import json
 import llguidance
 
 from common import messages as m
-from procs.renderer.tools import CLOSE, OPEN
+from procs.renderer.toolfmt import GENERIC, Format
 
 # JSON inside a grammar: one spacing, so a generated call reads as a rendered one
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -82,39 +82,50 @@ def _functions(tools: list[dict]) -> list[tuple[str, dict, bool]]:
     return out
 
 
-NL, OPEN_NL, CLOSE_NL = _lit("\n"), _lit(OPEN + "\n"), _lit("\n" + CLOSE)
-NEXT_CALL, END_NAMED = _lit("\n" + OPEN + "\n"), _lit("}\n" + CLOSE)
+def _seq(*parts: str) -> str:
+    """Lark sequence of literal texts and rule names (names are given as ("rule",))."""
+    return " ".join(p[0] if isinstance(p, tuple) else _lit(p) for p in parts if p) or '""'
 
 
-def _call_rules(fns, parallel: bool) -> str:
+def _call_rules(fns, parallel: bool, fmt: Format) -> str:
+    """`call`: one call after its head_pre; `first`: the first call after the format's
+    trigger (auto); `more`: the calls that may follow; `end`: what closes the block."""
     rules = "call: " + " | ".join(f"c{i}" for i in range(len(fns))) + "\n"
+    rules += "first: " + " | ".join(f"f{i}" for i in range(len(fns))) + "\n"
     for i, (name, params, strict) in enumerate(fns):
-        head = _lit('{"name": ' + json.dumps(name) + ', "arguments": ')
-        rules += f'c{i}: {head} a{i} "}}"\n' + _json_rule(f"a{i}", params, strict)
-    return rules + (f"more: ({NEXT_CALL} call {CLOSE_NL})*\n" if parallel else 'more: ""\n')
+        head = fmt.name_part(name)
+        lead = fmt.block_open + fmt.head_pre + head
+        rules += f"c{i}: {_seq(head, (f'a{i}',), fmt.tail)}\n"
+        rules += f"f{i}: {_seq(lead[len(fmt.trigger):], (f'a{i}',), fmt.tail)}\n"
+        rules += _json_rule(f"a{i}", params, strict)
+    more = f"({_seq(fmt.sep, fmt.head_pre, ('call',))})*" if parallel and fmt.parallel else '""'
+    return rules + f"more: {more}\nend: {_seq(fmt.block_close)}\n"
 
 
-def build(tools: list[dict], choice, fmt: dict | None, parallel: bool = False) -> m.Constraint | None:
+def build(tools: list[dict], choice, fmt: dict | None, parallel: bool = False,
+          calls: Format = GENERIC) -> m.Constraint | None:
     """The request's constraint, or None when generation is free. `choice` is the parsed
     tool_choice (none | auto | required | {"function": {"name": ...}}), `fmt` the
     response_format ({"type": "json_object"} or {"type": "json_schema", "schema": ...});
-    `parallel` lets a call be followed by more calls instead of the end of the answer."""
+    `parallel` lets a call be followed by more calls instead of the end of the answer;
+    `calls` is the model's call syntax."""
     fns = _functions(tools) if tools and choice != "none" else []
     if isinstance(choice, dict) and fns:          # the prompt ends inside the named call
         _, params, strict = next(f for f in fns if f[0] == choice["function"]["name"])
-        return m.Constraint(grammar=f"start: args {END_NAMED}\n"
+        return m.Constraint(grammar=f"start: {_seq(('args',), calls.tail, calls.block_close)}\n"
                             + _json_rule("args", params, strict))
-    if choice == "required" and fns:              # the prompt ends with the opener
-        return m.Constraint(grammar=f"start: call {CLOSE_NL} more\n" + _call_rules(fns, parallel))
+    if choice == "required" and fns:              # the prompt ends with the block's opener
+        return m.Constraint(grammar="start: call more end\n" + _call_rules(fns, parallel, calls))
     if fmt is not None:
         schema = fmt.get("schema") if fmt.get("type") == "json_schema" else ANY_OBJECT
         body = _json_rule("fmt", schema if isinstance(schema, dict) else {}, fmt.get("strict") is True)
         if fns:                                   # auto: the answer is the format or calls
-            return m.Constraint(grammar=f"start: fmt | {OPEN_NL} call {CLOSE_NL} more\n" + body + _call_rules(fns, parallel))
+            return m.Constraint(grammar=f"start: fmt | {_seq(calls.trigger)} first more end\n" + body
+                                + _call_rules(fns, parallel, calls))
         return m.Constraint(grammar="start: fmt\n" + body)
     if fns:                                       # auto: free text until the model opens a call
-        return m.Constraint(grammar=f"start: {NL} call {CLOSE_NL} more\n" + _call_rules(fns, parallel),
-                            trigger=OPEN.encode())
+        return m.Constraint(grammar="start: first more end\n" + _call_rules(fns, parallel, calls),
+                            trigger=calls.trigger.encode())
     return None
 
 
@@ -141,8 +152,9 @@ class Checker:
         self.seen.move_to_end(key)
         return self.seen[key]
 
-    def make(self, tools: list[dict], choice, fmt: dict | None, parallel: bool = False) -> m.Constraint | None:
-        c = build(tools, choice, fmt, parallel)
+    def make(self, tools: list[dict], choice, fmt: dict | None, parallel: bool = False,
+             calls: Format = GENERIC) -> m.Constraint | None:
+        c = build(tools, choice, fmt, parallel, calls)
         if c is None:
             return None
         err = self.verdict(c.grammar)
@@ -151,10 +163,10 @@ class Checker:
             for t in tools:
                 fn = t.get("function") or {}
                 if fn.get("strict") is not True and isinstance(fn.get("parameters"), dict) \
-                        and self.verdict(build([t], "required", None).grammar):
+                        and self.verdict(build([t], "required", None, calls=calls).grammar):
                     t = {**t, "function": {**fn, "parameters": ANY_OBJECT}}
                 fixed.append(t)
-            c = build(fixed, choice, fmt, parallel)
+            c = build(fixed, choice, fmt, parallel, calls)
             err = self.verdict(c.grammar)
         if err:
             raise GrammarError("response_format" if fmt is not None else "tools",

@@ -10,7 +10,7 @@ import json
 
 from common import messages as m
 from common.detok import Detokenizer
-from procs.renderer import tools
+from procs.renderer import toolfmt, tools
 from common.tokenizer import TextModel
 
 
@@ -36,10 +36,21 @@ def _message_dict(msg: m.ChatMessage) -> dict:
     return d
 
 
-def chat_messages(req: m.GenerateRequest, memory, index_sha1s, stats) -> list[dict]:
+def chat_messages(req: m.GenerateRequest, memory, index_sha1s, stats, fmt: toolfmt.Format) -> list[dict]:
     tool_list = json.loads(req.tools) if req.tools else []
     return tools.prepare_messages([_message_dict(x) for x in req.messages], tool_list, memory,
-                                  index_sha1s, stats)
+                                  index_sha1s, stats, fmt)
+
+
+def _render(text: TextModel, req: m.GenerateRequest, msgs: list[dict], fmt: toolfmt.Format,
+            add_generation_prompt: bool) -> str:
+    """The template's text; a template that speaks tools gets them as `tools`. A template
+    that writes the BOS itself (Llama 3's) loses it here: render() puts one in front when the
+    model wants it, never two."""
+    extra = {"tools": json.loads(req.tools)} if req.tools and fmt.native else {}
+    out = text.render_chat(msgs, add_generation_prompt=add_generation_prompt, **extra)
+    bos = text.bos_text().decode("utf-8", "replace")
+    return out[len(bos):] if bos and out.startswith(bos) else out
 
 
 def tool_choice(req: m.GenerateRequest):
@@ -54,13 +65,14 @@ def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(),
     tool_choice forces a call), or the raw prompt of a completion."""
     if req.kind == "completion":
         return text.bos_text() + req.prompt.encode("utf-8", "surrogatepass")
-    msgs = chat_messages(req, memory, index_sha1s, stats or tools.Rendered())
+    fmt = toolfmt.detect(text.chat_template)
+    msgs = chat_messages(req, memory, index_sha1s, stats or tools.Rendered(), fmt)
     try:
-        rendered = text.render_chat(msgs, add_generation_prompt=True)
+        rendered = _render(text, req, msgs, fmt, True)
     except Exception as e:  # a template that raises on this conversation: the client's input
         raise PromptError("messages", f"the chat template rejected the messages: {e}") from None
     if req.tools:
-        rendered += tools.opener(tool_choice(req))
+        rendered += fmt.opener(tool_choice(req))
     return text.bos_text() + rendered.encode("utf-8", "surrogatepass")
 
 
@@ -76,13 +88,14 @@ def prefix_bytes(text: TextModel, req: m.GenerateRequest, prompt: bytes) -> int:
         n_lead += 1
     if not req.tools and (not n_lead or n_lead == len(req.messages)):
         return 0
-    lead = chat_messages(m.GenerateRequest(rid="", kind="chat", sampling=req.sampling,
-                                           messages=req.messages[:n_lead], tools=req.tools), None, (),
-                         tools.Rendered())
-    if not lead:
+    fmt = toolfmt.detect(text.chat_template)
+    head = m.GenerateRequest(rid="", kind="chat", sampling=req.sampling, messages=req.messages[:n_lead],
+                             tools=req.tools)
+    lead = chat_messages(head, None, (), tools.Rendered(), fmt)
+    if not lead and not (req.tools and fmt.native):
         return 0
     try:
-        part = text.bos_text() + text.render_chat(lead, add_generation_prompt=False).encode("utf-8", "surrogatepass")
+        part = text.bos_text() + _render(text, head, lead, fmt, False).encode("utf-8", "surrogatepass")
     except Exception:
         return 0
     return len(part) if prompt.startswith(part) else 0

@@ -37,7 +37,7 @@ from procs.renderer.plan import plan_job
 from procs.renderer.answer import Answers, Pending
 from procs.renderer.readiness import HEALTH_FRESH_S, Readiness
 from common import guidance
-from procs.renderer import grammar, tools
+from procs.renderer import grammar, toolfmt, tools
 from procs.renderer.prompt import PromptError, TextStream, render, tool_choice
 
 JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (lost job)
@@ -68,7 +68,7 @@ class Renderer(Readiness, Answers):
     def __init__(self, s: Settings, log):
         self.s, self.log = s, log
         path = resolve(s.model, s.models_path())
-        self.text = load_text(path)
+        self.text = load_text(path, s.chat_template_file)
         self.n_ctx = context_size(path, s.ctx_size, warn=False)   # inference says why
         self.model_id = served_model_id(s.model_id, s.model)
         ctx = zmq.Context.instance()
@@ -233,7 +233,7 @@ class Renderer(Readiness, Answers):
             return None
         fmt = json.loads(req.response_format) if req.response_format else None
         return self.grammars.make(json.loads(req.tools) if req.tools else [], tool_choice(req), fmt,
-                                  req.parallel_tool_calls)
+                                  req.parallel_tool_calls, toolfmt.detect(self.text.chat_template))
 
     def holds(self, rid: str) -> bool:
         return (rid in self.running or any(p.req.rid == rid for p in self.queue)
@@ -308,7 +308,8 @@ class Renderer(Readiness, Answers):
         if p.req.tools:
             choice = tool_choice(p.req)
             if choice != "none":
-                p.calls = tools.CallParser(opened=tools.opener(choice))
+                calls = toolfmt.detect(self.text.chat_template)
+                p.calls = tools.CallParser(opened=calls.opener(choice), fmt=calls)
         p.since = time.monotonic()
         p.heard_at_dispatch = p.since - self.last_heard < HEALTH_FRESH_S
         p.dispatch_seq = self.ping_seq

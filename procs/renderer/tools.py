@@ -1,27 +1,27 @@
 """Tool calls: rendering tools into the prompt, parsing generated calls, and exact replay.
 
-Format (one for every model whose template has no tool syntax of its own): the system
-message lists the tools as JSON, one per line, inside <tools></tools>; a call is
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; results come back as
-`tool` messages. The tool list renders first, so it belongs to the shared prefix.
+The call syntax is the model family's (procs/renderer/toolfmt.py). For a template with no
+tool syntax of its own (the generic format) the system message lists the tools as JSON, one
+per line, inside <tools></tools>, and a call is `<tool_call>\\n{"name": ..., "arguments":
+{...}}\\n</tool_call>`; a template that speaks tools (Qwen, Llama 3.x, Mistral) gets them as
+`tools=` and renders calls and results itself. The tool list renders first, so it belongs
+to the shared prefix.
 Replay invariant: for a generated answer, content + block == the exact sampled text, where
-content is what we returned before the first <tool_call> and block the rest; every id of
-that answer maps to its block, and rendering content + block reproduces the bytes the
-KV state was computed from.
+content is what we returned before the first call and block the rest; every id of that
+answer maps to its block, and rendering content + block as the assistant's content
+reproduces the bytes the KV state was computed from (whichever the format).
 """
 from __future__ import annotations
 
 import collections
 import json
-import re
-import secrets
 
 from common import kvfile
 from common import messages as m
+from procs.renderer import toolfmt
+from procs.renderer.toolfmt import GENERIC, Format
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-# an open call whose name is complete: the arguments so far (a call cut by the token limit)
-PARTIAL = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"arguments"\s*:\s*(.*)\Z', re.S)
 
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query. "
                 "The functions are listed in <tools></tools>, one JSON object per line:\n<tools>\n")
@@ -31,7 +31,7 @@ TOOLS_FOOTER = ("\n</tools>\n\nTo call a function, answer with a JSON object hol
 
 
 def new_id() -> str:
-    return "call_" + secrets.token_hex(16)
+    return GENERIC.new_id()
 
 
 def tools_text(tools: list[dict]) -> str:
@@ -39,24 +39,23 @@ def tools_text(tools: list[dict]) -> str:
     return TOOLS_HEADER + "\n".join(lines) + TOOLS_FOOTER
 
 
-def call_json(name: str, arguments: str) -> str:
+def _args_value(arguments: str):
+    """The client's arguments text as a JSON value (a string when it is not JSON)."""
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except (json.JSONDecodeError, RecursionError):   # not JSON, or nested too deep: as a string
+        return arguments
+
+
+def call_json(name: str, arguments: str, fmt: Format = GENERIC) -> str:
     """A call rendered from the client's JSON (no replay): arguments re-serialized compactly
     in our own spacing, since the client's spacing is arbitrary anyway."""
-    try:
-        args = json.loads(arguments) if arguments.strip() else {}
-        text = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
-    except (json.JSONDecodeError, RecursionError):   # not JSON, or nested too deep: as a string
-        text = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f'{OPEN}\n{text}\n{CLOSE}'
+    return fmt.block([(name, json.dumps(_args_value(arguments), ensure_ascii=False))])
 
 
-def opener(choice) -> str:
+def opener(choice, fmt: Format = GENERIC) -> str:
     """Text appended to the generation prompt so the model completes a call."""
-    if choice == "required":
-        return OPEN + "\n"
-    if isinstance(choice, dict):
-        return OPEN + '\n{"name": ' + json.dumps(choice["function"]["name"]) + ', "arguments": '
-    return ""
+    return fmt.opener(choice)
 
 
 class ToolMemory:
@@ -118,11 +117,14 @@ class Rendered:
 
 
 def prepare_messages(msgs: list[dict], tools: list[dict], memory: ToolMemory | None,
-                     index_sha1s, stats: Rendered) -> list[dict]:
-    """The messages as the template sees them: tools in the system message, assistant tool
-    calls as exact replayed blocks (or JSON), tool results as `tool` messages."""
+                     index_sha1s, stats: Rendered, fmt: Format = GENERIC) -> list[dict]:
+    """The messages as the template sees them. Generic format: tools in the system message,
+    assistant calls written into the content, results as `tool` messages. A native format's
+    template gets the tools itself (render(tools=...)) and the calls as `tool_calls` with
+    their arguments as JSON values. Either way an answer whose ids are known is its exact
+    sampled text, as content."""
     out = [dict(x) for x in msgs]
-    if tools:
+    if tools and not fmt.native:
         block = tools_text(tools)
         if out and out[0]["role"] == "system":
             out[0]["content"] = (out[0]["content"] + "\n\n" + block) if out[0]["content"] else block
@@ -130,16 +132,28 @@ def prepare_messages(msgs: list[dict], tools: list[dict], memory: ToolMemory | N
             out.insert(0, {"role": "system", "content": block})
     for d in out:
         calls = d.pop("tool_calls", None)
-        d.pop("tool_call_id", None)
-        d.pop("name", None)
+        if not fmt.native:
+            d.pop("tool_call_id", None)
+            d.pop("name", None)
         if calls:
-            d["content"] = _assistant_calls(d["content"], calls, memory, index_sha1s, stats)
+            exact = _exact(calls, memory, index_sha1s, stats)
+            if exact is not None:
+                d["content"] += exact
+            elif fmt.native:
+                stats.json += len(calls)
+                d["tool_calls"] = [{"id": c["id"], "type": "function",
+                                    "function": {"name": c["function"]["name"],
+                                                 "arguments": _args_value(c["function"]["arguments"])}}
+                                   for c in calls]
+            else:
+                stats.json += len(calls)
+                js = "\n".join(call_json(c["function"]["name"], c["function"]["arguments"], fmt) for c in calls)
+                d["content"] = (d["content"] + "\n" + js) if d["content"] else js
     return out
 
 
-def _assistant_calls(content: str, calls: list[dict], memory, index_sha1s, stats: Rendered) -> str:
-    """content + the calls' exact sampled block when every id is known and they share one
-    block; else content + the calls rendered from the client's JSON."""
+def _exact(calls: list[dict], memory, index_sha1s, stats: Rendered) -> str | None:
+    """The calls' exact sampled block when every id is known and they share one block."""
     blocks, hits = [], {"memory": 0, "disk": 0}
     for c in calls:
         b = None
@@ -155,23 +169,23 @@ def _assistant_calls(content: str, calls: list[dict], memory, index_sha1s, stats
     if all(b is not None for b in blocks) and len(set(blocks)) == 1:
         stats.memory += hits["memory"]
         stats.disk += hits["disk"]
-        return content + blocks[0].decode("utf-8", "surrogateescape")
-    stats.json += len(calls)
-    js = "\n".join(call_json(c["function"]["name"], c["function"]["arguments"]) for c in calls)
-    return (content + "\n" + js) if content else js
+        return blocks[0].decode("utf-8", "surrogateescape")
+    return None
 
 
 class CallParser:
     """Splits generated text into content and tool calls, incrementally. Text that might
-    open a call is held back; a call is emitted when its closing tag arrives."""
+    open a call is held back; a call is emitted when it is complete in the format's syntax."""
 
-    def __init__(self, opened: str = ""):
+    def __init__(self, opened: str = "", fmt: Format = GENERIC):
+        self.fmt = fmt
         self.cut: tuple[str, str, str] | None = None    # a call the token limit cut, from flush()
         self.content_done = bool(opened)
-        self.buf = opened            # text since the first OPEN (the block), or held content
+        self.buf = opened            # text since the first trigger (the block), or held content
         self.block = opened          # the whole block text so far
         self.calls: list[tuple[str, str, str]] = []   # (id, name, arguments)
         self.scan = 0
+        self.more = True             # the format lets another call follow the last one
         self.closed = False          # close_block() ran: nothing more is taken
         self.content_bytes = 0       # UTF-8 bytes of the content returned so far
         self.opened = opened
@@ -181,12 +195,13 @@ class CallParser:
         """(content text to emit, call pieces to emit)."""
         if self.closed:
             return "", []
+        trig = self.fmt.trigger
         if not self.content_done:
             self.buf += text
-            i = self.buf.find(OPEN)
+            i = self.buf.find(trig)
             if i < 0:
-                keep = next((k for k in range(min(len(OPEN) - 1, len(self.buf)), 0, -1)
-                             if self.buf.endswith(OPEN[:k])), 0)
+                keep = next((k for k in range(min(len(trig) - 1, len(self.buf)), 0, -1)
+                             if self.buf.endswith(trig[:k])), 0)
                 out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 self.content_bytes += len(out.encode("utf-8", "surrogateescape"))
                 return out, []
@@ -201,39 +216,38 @@ class CallParser:
 
     def _calls(self) -> list[m.ToolCallDelta]:
         pieces = []
-        while True:
-            a = self.buf.find(OPEN, self.scan)
-            if a < 0:
+        while self.more:
+            a = self.buf.find(self.fmt.trigger, self.scan)
+            if a < 0 or self.buf[self.scan:a].strip():
                 return pieces
-            b = self.buf.find(CLOSE, a)
-            if b < 0:
-                return pieces
-            body = self.buf[a + len(OPEN):b].strip()
-            self.scan = b + len(CLOSE)
             try:
-                obj = json.loads(body)
-                name = obj["name"]
-                args = obj.get("arguments", {})
-                if not isinstance(name, str):
-                    raise TypeError
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                continue
-            args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            cid = new_id()
-            self.calls.append((cid, name, args_text))
-            idx = len(self.calls) - 1
-            pieces.append(m.ToolCallDelta(index=idx, id=cid, name=name))
-            for k in range(0, len(args_text), 64):   # argument fragments, as OpenAI streams them
-                pieces.append(m.ToolCallDelta(index=idx, arguments=args_text[k:k + 64]))
+                found, end, self.more = toolfmt.scan(self.fmt, self.buf, a)
+            except toolfmt.Incomplete:
+                return pieces
+            except ValueError:      # not a call after all: the block ends before it
+                self.more = False
+                return pieces
+            self.scan = end
+            for name, args_text in found:
+                cid = self.fmt.new_id()
+                self.calls.append((cid, name, args_text))
+                idx = len(self.calls) - 1
+                pieces.append(m.ToolCallDelta(index=idx, id=cid, name=name))
+                for k in range(0, len(args_text), 64):   # argument fragments, as OpenAI streams them
+                    pieces.append(m.ToolCallDelta(index=idx, arguments=args_text[k:k + 64]))
+        return pieces
 
     @property
     def done(self) -> bool:
-        """After a closed call, text that cannot open another call: the answer is over (small
-        models ramble on after a call; what they add is never rendered back)."""
+        """After a closed call, text that cannot open another call, or a format that holds
+        no more: the answer is over (small models ramble on after a call; what they add is
+        never rendered back)."""
         if not self.calls:
             return False
         rest = self.buf[self.scan:].lstrip()
-        return bool(rest) and not rest.startswith(OPEN[:len(rest)])
+        if not self.more:
+            return True
+        return bool(rest) and not rest.startswith(self.fmt.trigger[:len(rest)])
 
     def close_block(self) -> int:
         """Cut the block after the last closed call (what replay will render); returns the
@@ -251,9 +265,9 @@ class CallParser:
             out, self.buf = self.buf, ""
             return out
         tail = self.buf[self.scan:]
-        m_ = PARTIAL.match(tail)
+        m_ = self.fmt.partial().match(tail) if self.more else None
         if m_ is not None:
-            self.cut = (new_id(), m_.group(1), m_.group(2))
+            self.cut = (self.fmt.new_id(), m_.group(1), m_.group(2))
             return ""
         if not self.calls:
             return self.block[len(self.opened):] if self.block.startswith(self.opened) else self.block

@@ -1,0 +1,193 @@
+"""Tool-call formats: how a model family writes its calls, and whether its chat template
+renders tools and calls itself. One small description per family; tools.py (parse, replay),
+grammar.py (constrained calls) and prompt.py (rendering) read only these fields.
+
+A calls block is `block_open + call (sep call)* + block_close`, a call is
+`head_pre + name_part(name) + <arguments JSON> + tail`. The JSON spacing is json.dumps'
+(", " and ": "), the spacing a template's `tojson` renders a call from the client's JSON with,
+so a constrained call renders back byte for byte even when its id is unknown.
+
+Families (the format is recognised in the GGUF's own template text, as llama.cpp does):
+- generic: the template has no tool syntax; the tools are listed in the system message
+  (tools.tools_text) and calls are `<tool_call>` JSON blocks written into the content.
+- hermes (Qwen2.5, Qwen3, Hermes): the template takes `tools=` and renders `tool_calls` as
+  `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`.
+- llama3 (Llama 3.1-3.3): one bare `{"name": ..., "parameters": ...}` object per answer.
+- mistral (v3 / Nemo / Small 3.1): `[TOOL_CALLS][{"name": ..., "arguments": ...}, ...]`,
+  call ids of 9 letters and digits (the templates refuse others).
+- mistral_args (Mistral Small 3.2, Devstral, tokenizer v11+): `[TOOL_CALLS]name[ARGS]{...}`
+  per call.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from functools import lru_cache
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def _hermes_name(name: str, key: str) -> str:
+    return '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "' + key + '": '
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    native: bool            # the template renders `tools` and `tool_calls` itself
+    trigger: str            # what the model writes to open its calls (auto: the grammar starts after it)
+    block_open: str = ""
+    head_pre: str = ""
+    args_key: str = "arguments"   # JSON-object calls: the key of the arguments
+    tail: str = "}"
+    sep: str = ""
+    block_close: str = ""
+    parallel: bool = True   # several calls fit in one answer
+    kind: str = "tags"      # how the block parses: tags | object | array | args
+    close: str = ""         # tags: the closing tag of a call
+    short_ids: bool = False  # ids of 9 letters and digits (Mistral's templates check them)
+
+    def name_part(self, name: str) -> str:
+        if self.kind == "args":
+            return name + "[ARGS]"
+        return _hermes_name(name, self.args_key)
+
+    def call_text(self, name: str, args_json: str) -> str:
+        return self.head_pre + self.name_part(name) + args_json + self.tail
+
+    def block(self, calls: list[tuple[str, str]]) -> str:
+        """A calls block rendered from (name, arguments JSON) pairs."""
+        return self.block_open + self.sep.join(self.call_text(n, a) for n, a in calls) + self.block_close
+
+    def opener(self, choice) -> str:
+        """Text appended to the generation prompt so that the model completes a call:
+        `required` opens the block, a named choice opens that call up to its arguments."""
+        if choice == "required":
+            return self.block_open + self.head_pre
+        if isinstance(choice, dict):
+            return self.block_open + self.head_pre + self.name_part(choice["function"]["name"])
+        return ""
+
+    def new_id(self) -> str:
+        if self.short_ids:
+            return "".join(secrets.choice(_ALNUM) for _ in range(9))
+        return "call_" + secrets.token_hex(16)
+
+    def partial(self) -> re.Pattern:
+        """A call left open after its name: groups (name, the arguments so far)."""
+        return _partial(self)
+
+
+GENERIC = Format("generic", native=False, trigger="<tool_call>", head_pre="<tool_call>\n",
+                 tail="}\n</tool_call>", sep="\n", close="</tool_call>")
+HERMES = Format("hermes", native=True, trigger="<tool_call>", head_pre="<tool_call>\n",
+                tail="}\n</tool_call>", sep="\n", close="</tool_call>")
+LLAMA3 = Format("llama3", native=True, trigger='{"name"', args_key="parameters", parallel=False,
+                kind="object")
+MISTRAL = Format("mistral", native=True, trigger="[TOOL_CALLS]", block_open="[TOOL_CALLS][", sep=", ",
+                 block_close="]", kind="array", short_ids=True)
+MISTRAL_SPACED = Format("mistral", native=True, trigger="[TOOL_CALLS]", block_open="[TOOL_CALLS] [",
+                        sep=", ", block_close="]", kind="array", short_ids=True)
+MISTRAL_ARGS = Format("mistral_args", native=True, trigger="[TOOL_CALLS]", head_pre="[TOOL_CALLS]",
+                      tail="", kind="args", short_ids=True)
+FORMATS = {f.name: f for f in (GENERIC, HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS)}
+
+
+@lru_cache(maxsize=8)
+def detect(template: str | None) -> Format:
+    """The format a chat template speaks. A template that never reads `tools` cannot render
+    them: the generic format, whatever tokens it mentions."""
+    src = template or ""
+    if "tools" not in src:
+        return GENERIC
+    if "[TOOL_CALLS]" in src:
+        if "[ARGS]" in src:
+            return MISTRAL_ARGS
+        return MISTRAL_SPACED if "[TOOL_CALLS] [" in src else MISTRAL
+    if "<tool_call>" in src:
+        return HERMES
+    if "<|start_header_id|>" in src and '"parameters"' in src:
+        return LLAMA3
+    return GENERIC
+
+
+@lru_cache(maxsize=8)
+def _partial(f: Format) -> re.Pattern:
+    if f.kind == "args":
+        return re.compile(r"\s*" + re.escape(f.head_pre) + r"([^\[\]]+)\[ARGS\](.*)\Z", re.S)
+    lead = {"tags": re.escape(f.trigger) + r"\s*", "object": "", "array": re.escape(f.trigger) + r"\s*\[.*"}[f.kind]
+    return re.compile(r"\s*" + lead + r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)\Z',
+                      re.S)
+
+
+_DECODER = json.JSONDecoder()
+
+
+class Incomplete(Exception):
+    """The text so far could still become a valid call block."""
+
+
+def json_value(s: str, i: int):
+    """(value, end) of the JSON value starting at s[i] (after whitespace); Incomplete when
+    the text ends inside it, ValueError when it cannot be JSON."""
+    n = len(s)
+    while i < n and s[i] in " \t\r\n":
+        i += 1
+    if i >= n:
+        raise Incomplete
+    try:
+        return _DECODER.raw_decode(s, i)
+    except json.JSONDecodeError as e:
+        if e.pos >= len(s.rstrip()) or e.msg.startswith("Unterminated string"):
+            raise Incomplete from None
+        raise ValueError(e.msg) from None
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
+def _call_of(obj) -> tuple[str, str]:
+    """(name, arguments JSON text) of a parsed call object; ValueError if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("not a call")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def scan(f: Format, s: str, i: int) -> tuple[list[tuple[str, str]], int, bool]:
+    """Parse the call(s) that open at s[i] (s[i:] starts with the trigger): (calls, end,
+    more) where `more` says whether another call may follow. Incomplete or ValueError."""
+    if f.kind == "tags":
+        b = s.find(f.close, i)
+        if b < 0:
+            raise Incomplete
+        body = s[i + len(f.trigger):b]
+        try:
+            obj = json.loads(body)
+        except (json.JSONDecodeError, RecursionError):
+            return [], b + len(f.close), True     # a malformed call is skipped, the block goes on
+        try:
+            return [_call_of(obj)], b + len(f.close), True
+        except ValueError:
+            return [], b + len(f.close), True
+    if f.kind == "object":
+        obj, end = json_value(s, i)
+        return [_call_of(obj)], end, False
+    if f.kind == "array":
+        arr, end = json_value(s, i + len(f.trigger))
+        if not isinstance(arr, list) or not arr:
+            raise ValueError("not a list of calls")
+        return [_call_of(x) for x in arr], end, False
+    # args: [TOOL_CALLS]name[ARGS]{...}
+    a = s.find("[ARGS]", i)
+    if a < 0:
+        rest = s[i + len(f.trigger):]
+        j = rest.find("[")
+        if (j >= 0 and not "[ARGS]".startswith(rest[j:j + 6])) or len(rest) > 256:
+            raise ValueError("no [ARGS] after the name")
+        raise Incomplete
+    name = s[i + len(f.trigger):a]
+    args, end = json_value(s, a + len("[ARGS]"))
+    return [(name, json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args)], end, True
