@@ -114,12 +114,21 @@ def dequant(g: GGUFFile, name: str, raw=None, shape=None) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
+# source types whose blocks of 32 are exactly int8 levels times one f16 scale (q8_parts)
+EXACT_INT8_TYPES = ("Q8_0", "Q5_0")
+
+
 def q8_parts(g: GGUFFile, name: str):
-    """(q int8 [N, K], scale f16 [N, K/32]) of a Q8_0 tensor: its blocks of 32 as stored."""
+    """(q int8 [N, K], scale f16 [N, K/32]) of a Q8_0 or Q5_0 tensor, exactly its values:
+    Q8_0's blocks as stored, Q5_0's levels q - 16 (in [-16, 15]) with the block's d."""
     info = g.tensors[name]
     n, k = info.shape[1], info.shape[0]
-    blocks = torch.from_numpy(g.raw(name).copy()).view(-1, 34)
+    raw = torch.from_numpy(g.raw(name).copy())
     g.release(name)
+    if info.type_name == "Q5_0":
+        d, q = _q5_0_levels(raw)
+        return q.to(torch.int8).view(n, k), d.view(n, k // 32)
+    blocks = raw.view(-1, 34)
     return (blocks[:, 2:].contiguous().view(torch.int8).view(n, k),
             blocks[:, 0:2].contiguous().view(torch.float16).view(n, k // 32))
 
@@ -177,14 +186,21 @@ def _q6_k(raw: torch.Tensor) -> torch.Tensor:
     return ((d * scales).reshape(nb, 16, 1) * q).reshape(nb, 256)
 
 
-def _q5_0(raw: torch.Tensor) -> torch.Tensor:
-    """Q5_0 blocks (22 bytes: an f16 d, 32 high bits, 16 bytes of low nibbles) -> float32
-    [blocks, 32], the gguf package's arithmetic (d times q - 16, in f32). llama.cpp's Q4_K_M
-    stores a Gemma 3's rows of 640 this way (not a multiple of K-quants' 256)."""
+def _q5_0_levels(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 blocks (22 bytes: an f16 d, 32 high bits, 16 bytes of low nibbles) -> (d f16
+    [blocks, 1], levels q - 16 int32 [blocks, 32])."""
     b = raw.view(-1, 22)
-    d = b[:, 0:2].contiguous().view(torch.float16).float()                  # [nb, 1]
+    d = b[:, 0:2].contiguous().view(torch.float16)                          # [nb, 1]
     qh = b[:, 2:6].contiguous().view(torch.int32)                           # [nb, 1], bit j: value j
     high = (qh >> torch.arange(32, dtype=torch.int32)) & 1                  # arithmetic shift, masked
     qs = b[:, 6:22]
     low = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int32)            # [nb, 32]
-    return d * ((low | (high << 4)) - 16).float()
+    return d, (low | (high << 4)) - 16
+
+
+def _q5_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks -> float32 [blocks, 32], the gguf package's arithmetic (d times q - 16, in
+    f32). llama.cpp's Q4_K_M stores a Gemma 3's rows of 640 this way (not a multiple of
+    K-quants' 256)."""
+    d, q = _q5_0_levels(raw)
+    return d.float() * q.float()

@@ -38,7 +38,7 @@ class Linear:
     linears (prefill rows are not; the server never compares the two)."""
 
     def __init__(self, w: torch.Tensor | None, parts=None, int8: bool = False, packed: bool = True,
-                 kernels=None, dtype=None):
+                 kernels=None, dtype=None, q8=None):
         """kernels (procs/inference/native.Kernels): the copy is the native decoder's
         (native.pack: int4 or int8 groups, or the dense weight itself when not packed), and a
         quantized copy is the only one: prefill reads its values (w, dequantized per call
@@ -47,7 +47,7 @@ class Linear:
         self._w, self.kernels, self.dtype = w, kernels, dtype if w is None else w.dtype
         self.packed, self.kind, self.mat = None, "", None
         if kernels is not None:
-            self.mat = pack(w, parts if packed else None, int8 and packed)
+            self.mat = pack(w, parts if packed else None, int8 and packed, q8 if packed else None)
             if self.mat is None:   # parts past f16's range: the dense weight after all
                 q, scale, mn = parts
                 self._w = (q.float() * scale.repeat_interleave(32, 1) + mn.repeat_interleave(32, 1)).to(dtype)
@@ -87,9 +87,13 @@ class Linear:
         return dense(x, self.w)
 
 
-def fuse(names, t, q4, q8, packed: bool, kernels) -> Linear:
+def fuse(names, t, q4, q8, packed: bool, kernels, q8p=None) -> Linear:
     """Weights concatenated along the output dim: int4 when every part has 4-bit parts, int8
-    when every part is quantized (a 4-bit part requantized with the rest), else dense."""
+    groups as stored when every part has exact int8 parts (Q8_0, Q5_0; native kernels only),
+    int8 when every part is quantized (a 4-bit part requantized with the rest), else dense."""
+    if kernels is not None and packed and q8p and all(n in q8p for n in names):
+        parts = tuple(torch.cat(xs) for xs in zip(*(q8p[n] for n in names)))
+        return Linear(None, packed=packed, kernels=kernels, dtype=t["norm"].dtype, q8=parts)
     if all(n in q4 for n in names):
         parts = tuple(torch.cat(xs) for xs in zip(*(q4[n] for n in names)))
         # the native copy from the parts is the only one: no dense weight to make

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from common.gguf_file import GGUFError, GGUFFile
-from procs.inference.gguf_tensors import INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to, q4_parts, q8_parts
+from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
+                                          q4_parts, q8_parts)
 from procs.inference.archs import (ModelLoadError, arch_of, gguf_gemma3, gguf_moe, gguf_rope, hf_gemma3,
                                    hf_moe, hf_rope, layer_names, tensor_name, unused_math)
 
@@ -70,7 +71,7 @@ class LoadedWeights:
     # with w = q * scale + min, for the decode kernels (see model.Linear)
     q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     q8: frozenset = frozenset()        # names whose source is quantized otherwise (gguf_tensors.INT8_TYPES)
-    # Q8_0 source weights as they are stored: (q int8 [N, K], scale f16 [N, K/32]), w = q * scale
+    # Q8_0 / Q5_0 source weights exactly: (q int8 [N, K], scale f16 [N, K/32]), w = q * scale
     q8_parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = None
 
 
@@ -179,8 +180,11 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             q4.later(ours, parts)
         elif info.type_name in INT8_TYPES:
             q8.add(ours)
-            if info.type_name == "Q8_0" and len(info.shape) == 2 and not heads:
-                q8p.later(ours, lambda gname=gname: q8_parts(g, gname))
+            if info.type_name in EXACT_INT8_TYPES and len(info.shape) == 2:
+                def exact(gname=gname, heads=heads):
+                    x = q8_parts(g, gname)
+                    return tuple(_unpermute(t, heads) for t in x) if heads else x
+                q8p.later(ours, exact)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8), q8p)
 
 

@@ -63,13 +63,13 @@ class Llama:
         native = kernels is not None and kernels.takes(self)
         self.kernels = kernels if native else None
         self.layers = []
-        q4, q8 = w.q4 or {}, w.q8
-        self._output_and_embedding(t, q4, q8, w.q8_parts or {}, packed, native)
+        q4, q8, q8p = w.q4 or {}, w.q8, w.q8_parts or {}
+        self._output_and_embedding(t, q4, q8, q8p, packed, native)
         for i in range(c.n_layers):
             p = f"layers.{i}."
 
             def fused(*names):
-                return fuse([p + n for n in names], t, q4, q8, packed, kernels if native else None)
+                return fuse([p + n for n in names], t, q4, q8, packed, kernels if native else None, q8p)
             bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
             qkn = None
             if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
@@ -98,6 +98,7 @@ class Llama:
             for name in [n for n in t if n.startswith(p)]:
                 del t[name]
                 q4.pop(name, None)
+                q8p.pop(name, None)
         del w.tensors, w.q4, w.q8_parts
         self.act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[c.act]
         self.scale = c.attn_scale or c.head_dim ** -0.5

@@ -26,6 +26,7 @@ from procs.inference.loader import fingerprint, load  # noqa: E402
 from procs.inference import native  # noqa: E402
 from procs.inference.model import Llama  # noqa: E402
 from procs.inference.kvsession import KVSession  # noqa: E402
+from common import kvfile as kf  # noqa: E402
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 320, 64, 128, 2, 4, 2, 16
 PROMPT, GREEDY, MAX_POS = 40, 64, 128
@@ -109,7 +110,9 @@ def _llamacpp_rope_freqs(rp: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _write_gguf(m, path: str, arch: str) -> None:
+def _write_gguf(m, path: str, arch: str, qtype=None) -> None:
+    """As llama.cpp's converter writes it; `qtype` (a GGMLQuantizationType the gguf package
+    can quantize) stores every 2-D weight quantized, norms and biases in F32."""
     c = m.config
     head_dim = c.head_dim
     w = gguf.GGUFWriter(path, arch)
@@ -158,7 +161,11 @@ def _write_gguf(m, path: str, arch: str) -> None:
             a = a + 1
         if arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name):
             a = _permute(a, c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads)
-        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(a))
+        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if qtype is not None and a.ndim == 2:
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -369,3 +376,55 @@ def test_unsupported_layouts_are_load_errors(build, tmp_path):
         (d / "config.json").write_text(json.dumps({**c, **patch}))
         with pytest.raises(ModelLoadError):
             load(str(d), torch.float32, "cpu")
+
+
+# ------------------------------------------------------------------ checkpoints per architecture
+
+def _saved(path: str, tmp_path, text_model):
+    """A model of the GGUF, a Disk over tmp_path/kv and a session of the prompt saved whole."""
+    from tests.procs.inference.test_disk import Harness
+    model = Llama(load(path, torch.float32, "cpu"), MAX_POS, kernels=native.load())
+    h = Harness(model, text_model, tmp_path)
+    s = KVSession(model, MAX_POS, 16)
+    ids = _prompt(path)
+    s.prefill(ids)
+    assert h.disk.save(s, len(ids), s.logits, kf.SHUTDOWN)
+    return model, h, s, h.saved[-1]
+
+
+def test_checkpoint_round_trip(case, tmp_path, text_model):
+    """save -> file -> restore into a fresh session: same logits, and 8 greedy steps on
+    from it equal to the session that never left memory, bit for bit."""
+    name, _, _, gguf_path = case
+    model, h, live, sha = _saved(gguf_path, tmp_path, text_model)
+    try:
+        fresh = KVSession(model, MAX_POS, 16)
+        assert h.disk.restore(fresh, sha) == len(live.tokens) and fresh.tokens == live.tokens
+        assert torch.equal(fresh.logits, live.logits)
+        for _ in range(8):
+            t = int(live.logits.argmax())
+            assert int(fresh.logits.argmax()) == t
+            a, b = live.decode(t), fresh.decode(t)
+            assert torch.equal(a, b), name
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("a,b", [("llama", "llama3"), ("llama", "qwen2"), ("qwen2", "yarn"), ("llama", "mistral")])
+def test_checkpoint_of_another_architecture_is_refused(build, tmp_path, text_model, a, b):
+    """A sound file of one architecture or rope scaling never restores into another (same
+    K/V geometry: only the fingerprint tells them apart)."""
+    from procs.inference.disk import RestoreError
+    from tests.procs.inference.test_disk import Harness
+    _, _, _, path_a = build(a)
+    _, _, _, path_b = build(b)
+    _, ha, _, sha = _saved(path_a, tmp_path / "a", text_model)
+    ha.close()
+    other = Llama(load(path_b, torch.float32, "cpu"), MAX_POS, kernels=native.load())
+    hb = Harness(other, text_model, tmp_path / "a")          # the same cache directory
+    try:
+        with pytest.raises(RestoreError) as e:
+            hb.disk.restore(KVSession(other, MAX_POS, 16), sha)
+        assert str(e.value) == "fingerprint mismatch"
+    finally:
+        hb.close()
