@@ -113,12 +113,20 @@ def _raise(msg):
     raise jinja2.TemplateError(msg)
 
 
+def _tojson(v, indent=None, separators=None, sort_keys=False):
+    return json.dumps(v, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @lru_cache(maxsize=4)
 def _compile_template(src: str) -> jinja2.Template:
+    """The environment Hugging Face renders chat templates in (models' templates are written
+    for it): sandboxed, immutable, trim/lstrip blocks, `{% break %}`/`{% continue %}`,
+    `raise_exception`, and `tojson` with its keyword arguments, non-ASCII kept."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       keep_trailing_newline=True)
+                                                       keep_trailing_newline=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = _tojson
     return env.from_string(src)
 
 

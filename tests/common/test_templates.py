@@ -30,3 +30,15 @@ def test_gemma_system_alone_is_the_prefix_of_every_conversation_it_starts():
 
 def test_fallback_by_architecture():
     assert fallback("gemma3") == GEMMA and fallback("llama") is None
+
+
+def test_the_environment_models_templates_are_written_for():
+    """Loop controls and tojson's keyword arguments, as Hugging Face's environment has them
+    (Qwen3's and others' templates use `{% break %}`; a missing feature is a 400 at render)."""
+    src = ("{%- for m in messages -%}{%- if m.role == 'stop' -%}{%- break -%}{%- endif -%}"
+           "{%- if m.role == 'skip' -%}{%- continue -%}{%- endif -%}"
+           "{{ m | tojson(separators=(',', ':'), sort_keys=true) }}{%- endfor -%}"
+           "{{ {'é': 1} | tojson(indent=1) }}")
+    got = _compile_template(src).render(messages=[{"role": "u", "b": 1}, {"role": "skip"}, {"role": "stop"},
+                                                  {"role": "late"}])
+    assert got == '{"b":1,"role":"u"}{\n "é": 1\n}'
