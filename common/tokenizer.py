@@ -7,12 +7,14 @@ is built from these pieces.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -113,6 +115,16 @@ def _raise(msg):
     raise jinja2.TemplateError(msg)
 
 
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks the assistant's tokens
+    with it for training masks): its body, rendered as is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _tojson(v, indent=None, separators=None, sort_keys=False):
     return json.dumps(v, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -121,11 +133,16 @@ def _tojson(v, indent=None, separators=None, sort_keys=False):
 def _compile_template(src: str) -> jinja2.Template:
     """The environment Hugging Face renders chat templates in (models' templates are written
     for it): sandboxed, immutable, trim/lstrip blocks, `{% break %}`/`{% continue %}`,
-    `raise_exception`, and `tojson` with its keyword arguments, non-ASCII kept."""
+    `{% generation %}`, `raise_exception`, `strftime_now`, and `tojson` with its keyword
+    arguments, non-ASCII kept."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        keep_trailing_newline=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
+                                                       extensions=["jinja2.ext.loopcontrols", _Generation])
     env.globals["raise_exception"] = _raise
+    # as llama.cpp and transformers give it: Mistral Small 3.x's templates call it unguarded
+    # (without it every request is refused); a template that prints the date changes its
+    # prompt, and so misses the cache, once a day
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson
     return env.from_string(src)
 

@@ -66,11 +66,20 @@ def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(),
     if req.kind == "completion":
         return text.bos_text() + req.prompt.encode("utf-8", "surrogatepass")
     fmt = toolfmt.detect(text.chat_template)
-    msgs = chat_messages(req, memory, index_sha1s, stats or tools.Rendered(), fmt)
+    stats = stats if stats is not None else tools.Rendered()
+    msgs = chat_messages(req, memory, index_sha1s, stats, fmt)
     try:
         rendered = _render(text, req, msgs, fmt, True)
     except Exception as e:  # a template that raises on this conversation: the client's input
-        raise PromptError("messages", f"the chat template rejected the messages: {e}") from None
+        if not (fmt.native and stats.memory + stats.disk):
+            raise PromptError("messages", f"the chat template rejected the messages: {e}") from None
+        # a replayed call is an assistant turn without tool_calls, which a template may refuse
+        # (Mistral's check that user and assistant turns alternate): the calls from JSON then
+        stats.__init__()
+        try:
+            rendered = _render(text, req, chat_messages(req, None, (), stats, fmt), fmt, True)
+        except Exception as e2:
+            raise PromptError("messages", f"the chat template rejected the messages: {e2}") from None
     if req.tools:
         rendered += fmt.opener(tool_choice(req))
     return text.bos_text() + rendered.encode("utf-8", "surrogatepass")

@@ -33,12 +33,17 @@ def test_fallback_by_architecture():
 
 
 def test_the_environment_models_templates_are_written_for():
-    """Loop controls and tojson's keyword arguments, as Hugging Face's environment has them
-    (Qwen3's and others' templates use `{% break %}`; a missing feature is a 400 at render)."""
+    """Loop controls, `{% generation %}` and tojson's keyword arguments, as Hugging Face's
+    environment has them (models' templates use them; a missing one is a 400 at render)."""
     src = ("{%- for m in messages -%}{%- if m.role == 'stop' -%}{%- break -%}{%- endif -%}"
            "{%- if m.role == 'skip' -%}{%- continue -%}{%- endif -%}"
            "{{ m | tojson(separators=(',', ':'), sort_keys=true) }}{%- endfor -%}"
-           "{{ {'é': 1} | tojson(indent=1) }}")
+           "{% generation %}{{ {'é': 1} | tojson(indent=1) }}{% endgeneration %}")
     got = _compile_template(src).render(messages=[{"role": "u", "b": 1}, {"role": "skip"}, {"role": "stop"},
                                                   {"role": "late"}])
     assert got == '{"b":1,"role":"u"}{\n "é": 1\n}'
+
+
+def test_strftime_now_is_today():
+    import datetime
+    assert _compile_template("{{ strftime_now('%Y-%m-%d') }}").render() == datetime.date.today().isoformat()

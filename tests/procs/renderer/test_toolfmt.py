@@ -183,7 +183,7 @@ def test_unknown_ids_render_through_the_template(text_model, family):
     fmt = toolfmt.detect(text.chat_template)
     cid = fmt.new_id()
     msgs = [_msg("user", "Weather in Oslo?"), _msg("assistant", calls=[(cid, "get_weather", '{"city":"Oslo"}')]),
-            _msg("tool", "-3 C", call_id=cid), _msg("user", "Thanks")]
+            _msg("tool", "-3 C", call_id=cid), _msg("assistant", "Cold."), _msg("user", "Thanks")]
     stats = t.Rendered()
     prompt = render(text, _request(msgs), t.ToolMemory(16, ""), (), stats).decode()
     assert stats.json == 1
@@ -199,3 +199,24 @@ def test_a_template_that_writes_its_own_bos_gets_one(text_model):
     bos = text.pieces[text.bos_id]
     out = render(text, _request([_msg("user", "hi")]))
     assert out.startswith(bos) and not out[len(bos):].startswith(bos)
+
+
+def test_a_template_that_refuses_a_replayed_call_gets_it_from_json(text_model):
+    """Mistral's templates check that user and assistant turns alternate, leaving calls aside:
+    a replayed call (an assistant turn of text) followed by the final answer breaks that, so
+    the conversation renders with its calls from JSON instead of failing."""
+    text = dataclasses.replace(text_model, chat_template=template("mistral"))
+    fmt = toolfmt.detect(text.chat_template)
+    cid = fmt.new_id()
+    memory = t.ToolMemory(16, "")
+    memory.remember([cid], generated(fmt, [("get_weather", {"city": "Oslo"})]).encode())
+    turn2 = [_msg("user", "Weather in Oslo?"), _msg("assistant", calls=[(cid, "get_weather", '{"city": "Oslo"}')]),
+             _msg("tool", "-3 C", call_id=cid)]
+    stats = t.Rendered()
+    render(text, _request(turn2), memory, (), stats)
+    assert stats.memory == 1 and stats.json == 0              # replayed while the template takes it
+    turn3 = turn2 + [_msg("assistant", "Cold."), _msg("user", "And Rome?")]
+    stats = t.Rendered()
+    prompt = render(text, _request(turn3), memory, (), stats).decode()
+    assert stats.memory == 0 and stats.json == 1
+    assert '"id": "' + cid + '"' in prompt                   # the template's own rendering of the call
