@@ -28,6 +28,7 @@ from procs.inference.native import MAT_Q4, MAT_Q8
 # Exact mode runs attention on blocks of this many query rows (padded), so that a short
 # suffix does not pay for a whole chunk of queries against a long context.
 EXACT_Q = 64
+ROPE_BLOCK = 1024      # rotary table rows computed at a time (Llama.ensure_rope)
 
 
 class Layer(NamedTuple):
@@ -102,12 +103,21 @@ class Llama:
         del w.tensors, w.q4, w.q8_parts
         self.act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[c.act]
         self.scale = c.attn_scale or c.head_dim ** -0.5
-        # rotary tables in float32, cast once: [ctx, D] (HF half-split layout); a second
-        # table for windowed layers with their own base (Gemma 3), unscaled
-        self.rope = [self._rotary(c.rope_theta, c.rope_factors, max_context, c.rope_attn_factor)]
+        # rotary tables in the compute dtype: [ctx, D] (HF half-split layout); a second table
+        # for windowed layers with their own base (Gemma 3), unscaled. Allocated whole (the
+        # native decoder keeps their addresses) but filled in blocks of ROPE_BLOCK positions as
+        # positions are reached (ensure_rope): untouched rows cost no memory and no start-up
+        # time (a 128k context's two tables: ~270 MB and a second). A block is always computed
+        # alone, so a position's values never depend on how far the tables were filled.
+        self.rope_specs = [(c.rope_theta, c.rope_factors, c.rope_attn_factor)]
         if c.rope_theta_local:
-            self.rope.append(self._rotary(c.rope_theta_local, (), max_context))
+            self.rope_specs.append((c.rope_theta_local, (), 1.0))
+        self.rope = [(torch.empty(max_context, c.head_dim, dtype=self.dtype, device=self.device),
+                      torch.empty(max_context, c.head_dim, dtype=self.dtype, device=self.device))
+                     for _ in self.rope_specs]
+        self.rope_rows = 0
         self.max_context = max_context
+        self.ensure_rope(1)
         self.decoder = kernels.decoder(self) if native else None
 
     def _output_and_embedding(self, t, q4, q8, q8p, packed: bool, native: bool) -> None:
@@ -143,12 +153,21 @@ class Llama:
             return self.kernels.rows(self.embed_mat, self.dtype, ids)
         return F.embedding(ids, self.embed)
 
-    def _rotary(self, theta: float, factors, max_context: int, attn_factor: float = 1.0):
+    def ensure_rope(self, n: int) -> None:
+        """The rotary tables hold positions 0..n-1 (n <= max_context)."""
+        while self.rope_rows < min(n, self.max_context):
+            a = self.rope_rows
+            b = min(a + ROPE_BLOCK, self.max_context)
+            for (cos, sin), (theta, factors, attn) in zip(self.rope, self.rope_specs):
+                cos[a:b], sin[a:b] = self._rotary(theta, factors, a, b - a, attn)
+            self.rope_rows = b
+
+    def _rotary(self, theta: float, factors, start: int, n: int, attn_factor: float = 1.0):
         c = self.cfg
         inv = 1.0 / (theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         if factors:   # RoPE scaling: per-frequency divisors (loader.ModelConfig)
             inv = inv / torch.tensor(factors, dtype=torch.float64)
-        ang = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)   # [ctx, D/2]
+        ang = torch.outer(torch.arange(start, start + n, dtype=torch.float64), inv)   # [n, D/2]
         cos, sin = ang.cos(), ang.sin()       # each half of the table once (it repeats)
         # sin with rotate-half's sign folded in: x*cos + roll(x, D/2)*sin equals
         # x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in fewer ops
@@ -191,6 +210,7 @@ class Llama:
         x = self.embed_rows(ids)                                               # [T, dim]
         if c.embed_scale:
             x = x * c.embed_scale
+        self.ensure_rope(S)
         ropes = [(cos[pos:S].unsqueeze(1), sin[pos:S].unsqueeze(1)) for cos, sin in self.rope]  # [T, 1, D]
         if pad_to:  # blocks of EXACT_Q query rows x keys to a multiple of pad_to: one blocking
             nq = -(-T // EXACT_Q) * EXACT_Q
@@ -252,6 +272,7 @@ class Llama:
         if c.embed_scale:
             x = x * c.embed_scale
         at = torch.tensor(pos, device=self.device)
+        self.ensure_rope(max(pos) + 1)
         ropes = [(cos[at].unsqueeze(1), sin[at].unsqueeze(1)) for cos, sin in self.rope]  # [B, 1, D]
 
         def attend(li: int, ly: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

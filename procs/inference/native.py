@@ -248,6 +248,7 @@ class Decoder:
         sequence b -> float32 logits [B, V], row b equal (bit for bit) to __call__ on it alone.
         The weights are read once for all rows (decode.c decode_batch)."""
         model, B = self.model, len(pos)
+        model.ensure_rope(max(pos) + 1)
         for kc, vc in caches:
             if not (kc.is_contiguous() and vc.is_contiguous() and kc.stride() == vc.stride()
                     and kc.dtype == vc.dtype == model.dtype):

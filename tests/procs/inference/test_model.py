@@ -90,6 +90,31 @@ def test_config(model):
     assert model.max_context == 8192
 
 
+def test_rotary_tables_fill_as_positions_are_reached(model_path):
+    """The tables are filled in blocks as positions are reached, never past them; a block's
+    values are its own computation, whatever was filled before (so a restored session meets
+    the values it was computed with), and they are the formula's (cos / signed sin)."""
+    from procs.inference.loader import load
+    from procs.inference.model import ROPE_BLOCK, Llama
+    m = Llama(load(model_path, torch.float32, "cpu"), 8192)
+    assert m.rope_rows == ROPE_BLOCK                     # only the first block at load
+    s = KVSession(m, 8192, 512)
+    s.prefill(list(range(10, 1100)))
+    assert m.rope_rows == 2 * ROPE_BLOCK
+    s.decode(5)
+    s.decode(6)
+    assert m.rope_rows == 2 * ROPE_BLOCK
+    cos, sin = m.rope[0]
+    theta, factors, attn = m.rope_specs[0]
+    c2, s2 = m._rotary(theta, factors, ROPE_BLOCK, ROPE_BLOCK, attn)
+    assert torch.equal(cos[ROPE_BLOCK:2 * ROPE_BLOCK], c2) and torch.equal(sin[ROPE_BLOCK:2 * ROPE_BLOCK], s2)
+    p, j = 1500, 7                                       # position, frequency
+    ang = p / theta ** (2 * j / m.cfg.head_dim)
+    assert cos[p, j].item() == pytest.approx(math.cos(ang), abs=1e-6)
+    assert sin[p, j].item() == pytest.approx(-math.sin(ang), abs=1e-6)
+    assert sin[p, j + m.cfg.head_dim // 2].item() == pytest.approx(math.sin(ang), abs=1e-6)
+
+
 # ------------------------------------------------------------------ chunking and checkpoints
 
 @pytest.fixture(scope="module")
