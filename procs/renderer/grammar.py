@@ -1,11 +1,12 @@
 """Grammars for constrained decoding: what a request's tools, tool_choice and response_format
 allow the model to generate, as llguidance Lark text.
 
-A call is `{"name": "<tool>", "arguments": <args>}` in json.dumps spacing (", " and ": "),
-the spacing tools.call_json renders a call from a client's JSON with: a constrained call
-replays byte-exactly even when its id is unknown. The grammar starts where generation
-starts: after the opener the prompt already ends with (tools.opener), or, for tool_choice
-auto, after the model itself wrote the opener (the trigger), so prose is never constrained.
+A call is written in the model family's syntax (toolfmt.Format: block, call head, arguments,
+tail), its JSON in json.dumps spacing (", " and ": "), the spacing tools.call_json and the
+templates' tojson render a call from a client's JSON with: a constrained call replays
+byte-exactly even when its id is unknown. The grammar starts where generation starts: after
+the opener the prompt already ends with (Format.opener), or, for tool_choice auto, after the
+model itself wrote the format's trigger, so prose is never constrained.
 Objects whose schema leaves additionalProperties open are closed (as llama.cpp does): a
 small model otherwise invents keys until the token limit and the call never closes.
 """
