@@ -59,10 +59,17 @@ static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
     w->v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g))));
     w->v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g + 16))));
 }
+/* the group's scale is folded into the widened weights once (scale32), for every row: a row
+ * then costs two FMAs per group, on four accumulators (NACC) to cover their latency */
+#define NACC 4
+static inline void scale32(W32 *w, __m512 s) {
+    w->v[0] = _mm512_mul_ps(w->v[0], s);
+    w->v[1] = _mm512_mul_ps(w->v[1], s);
+}
 static inline __m512 dot32(const W32 *w, const float *x, int g, __m512 acc, __m512 s) {
-    __m512 d = _mm512_mul_ps(w->v[0], _mm512_loadu_ps(x + 32 * g));
-    d = _mm512_fmadd_ps(w->v[1], _mm512_loadu_ps(x + 32 * g + 16), d);
-    return _mm512_fmadd_ps(d, s, acc);
+    (void)s;
+    acc = _mm512_fmadd_ps(w->v[0], _mm512_loadu_ps(x + 32 * g), acc);
+    return _mm512_fmadd_ps(w->v[1], _mm512_loadu_ps(x + 32 * g + 16), acc);
 }
 #define VSET1 _mm512_set1_ps
 #define VZERO _mm512_setzero_ps()
@@ -83,6 +90,10 @@ static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
     for (int i = 0; i < 4; i++)
         w->v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 32 * g + 8 * i))));
 }
+/* 16 registers: the scale stays per row (a row's four products summed, then scaled into one
+ * of two accumulators), which keeps the accumulators' chains short */
+#define NACC 2
+static inline void scale32(W32 *w, __m256 s) { (void)w; (void)s; }
 static inline __m256 dot32(const W32 *w, const float *x, int g, __m256 acc, __m256 s) {
     const float *xg = x + 32 * g;
     __m256 d = _mm256_mul_ps(w->v[0], _mm256_loadu_ps(xg));
@@ -106,6 +117,8 @@ static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
 static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
     for (int j = 0; j < 32; j++) w->v[j] = (float)q[32 * g + j];
 }
+#define NACC 2
+static inline void scale32(W32 *w, float s) { (void)w; (void)s; }
 static inline float dot32(const W32 *w, const float *x, int g, float acc, float s) {
     float d = 0.0f;
     for (int j = 0; j < 16; j++) d += w->v[j] * x[32 * g + j] + w->v[j + 16] * x[32 * g + 16 + j];
@@ -143,13 +156,39 @@ static inline V wload_f32(const float *w) { return _mm256_loadu_ps(w); }
 #define NB 4
 #define INLINE static inline __attribute__((always_inline))
 
+/* groups in order, group g on accumulator g % NACC (indices constant: a runtime index would
+ * keep the accumulators in memory); summed in one fixed order */
+#if NACC == 4
+#define GROUP_LOOP(STEP)                                                                        \
+    int g = 0;                                                                                  \
+    for (; g + 3 < groups; g += 4) {                                                            \
+        STEP(g, 0)                                                                              \
+        STEP(g + 1, 1)                                                                          \
+        STEP(g + 2, 2)                                                                          \
+        STEP(g + 3, 3)                                                                          \
+    }                                                                                           \
+    if (g < groups) STEP(g, 0)                                                                  \
+    if (g + 1 < groups) STEP(g + 1, 1)                                                          \
+    if (g + 2 < groups) STEP(g + 2, 2)
+INLINE V acc_sum(const V *a) { return VADD(VADD(a[0], a[1]), VADD(a[2], a[3])); }
+#else
+#define GROUP_LOOP(STEP)                                                                        \
+    int g = 0;                                                                                  \
+    for (; g + 1 < groups; g += 2) {                                                            \
+        STEP(g, 0)                                                                              \
+        STEP(g + 1, 1)                                                                          \
+    }                                                                                           \
+    if (g < groups) STEP(g, 0)
+INLINE V acc_sum(const V *a) { return VADD(a[0], a[1]); }
+#endif
+
 INLINE void rows_q4(const uint8_t *q, const uint16_t *sm, int groups, const float *x, long ldx, const float *xs,
                     long ldxs, float *y, long ldy, const int nb) {
     float mins[NB];
-    V acc[NB][2];
+    V acc[NB][NACC];
     for (int b = 0; b < nb; b++) {
         mins[b] = 0.0f;
-        acc[b][0] = acc[b][1] = VZERO;
+        for (int a = 0; a < NACC; a++) acc[b][a] = VZERO;
     }
     /* the min's part, sum over groups of min * (sum of the group's x), in group order */
 #define Q4_STEP(G, A)                                                                          \
@@ -157,39 +196,32 @@ INLINE void rows_q4(const uint8_t *q, const uint16_t *sm, int groups, const floa
         W32 w;                                                                                 \
         q4_unpack(q, G, &w);                                                                   \
         const V s = VSET1(f16_to_f32(sm[2 * (G)]));                                            \
+        scale32(&w, s);                                                                        \
         const float mn = f16_to_f32(sm[2 * (G) + 1]);                                          \
         for (int b = 0; b < nb; b++) {                                                         \
             acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);                               \
             mins[b] += mn * xs[b * ldxs + (G)];                                                \
         }                                                                                      \
     }
-    int g = 0;
-    for (; g + 1 < groups; g += 2) {
-        Q4_STEP(g, 0)
-        Q4_STEP(g + 1, 1)
-    }
-    if (g < groups) Q4_STEP(g, 0)
-    for (int b = 0; b < nb; b++) y[b * ldy] = hsum(VADD(acc[b][0], acc[b][1])) + mins[b];
+    GROUP_LOOP(Q4_STEP)
+    for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b])) + mins[b];
 }
 
 INLINE void rows_q8(const int8_t *q, const uint16_t *sc, int groups, const float *x, long ldx, float *y, long ldy,
                     const int nb) {
-    V acc[NB][2];
-    for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = VZERO;
+    V acc[NB][NACC];
+    for (int b = 0; b < nb; b++)
+        for (int a = 0; a < NACC; a++) acc[b][a] = VZERO;
 #define Q8_STEP(G, A)                                                                          \
     {                                                                                          \
         W32 w;                                                                                 \
         q8_unpack(q, G, &w);                                                                   \
         const V s = VSET1(f16_to_f32(sc[G]));                                                  \
+        scale32(&w, s);                                                                        \
         for (int b = 0; b < nb; b++) acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);      \
     }
-    int g = 0;
-    for (; g + 1 < groups; g += 2) {
-        Q8_STEP(g, 0)
-        Q8_STEP(g + 1, 1)
-    }
-    if (g < groups) Q8_STEP(g, 0)
-    for (int b = 0; b < nb; b++) y[b * ldy] = hsum(VADD(acc[b][0], acc[b][1]));
+    GROUP_LOOP(Q8_STEP)
+    for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b]));
 }
 
 /* bf16 (bf16 = 1) or f32 weights: blocks of VW, then a scalar tail */
