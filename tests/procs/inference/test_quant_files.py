@@ -1,15 +1,17 @@
-"""Quantized GGUF files against transformers: the tiny random Llama and Qwen2 models of
-test_architectures written with every 2-D weight in one quant type (by the gguf package, as
+"""Quantized GGUF files against transformers: the tiny random models of test_architectures
+(every architecture and rope scaling) written with every 2-D weight in one quant type (by the gguf package, as
 llama.cpp's quantizer lays the blocks out), loaded by ricordo, compared with transformers
 running the same weights dequantized by the gguf package (the file's exact values).
 
 Types ricordo reads as stored (F16, BF16; Q8_0 and Q5_0 as int8 levels with the block's
 scale; Q4_0, Q4_1 as int4 groups with their own levels) must be as close as the unquantized
-model (f32 rounding only) and give the same greedy tokens through the native decode. Q5_1 is
-requantized to int8 groups of 32 (one more rounding, at most half an int8 step of the
-group's range): its tolerance is a share of the file's own quantization error. The K-quants,
-which the gguf package cannot write, are checked on the real Gemma 3 file (test_gemma.py: Q4_K unpacked exactly, Q6_K/Q5_0 equal to
-the gguf package's values). Run with -s to see the measured differences."""
+model (f32 rounding only) and give the same greedy tokens through the native decode (the
+MoE model decodes with torch's packed kernels, whose bf16 activations are not exact: its
+prefill is checked). Q5_1 is requantized to int8 groups of 32 (one more rounding, at most
+half an int8 step of the group's range): its tolerance is a share of the file's own
+quantization error. The K-quants, which the gguf package cannot write, are checked on the
+real Gemma 3 file (test_gemma.py: Q4_K unpacked exactly, Q6_K/Q5_0 equal to the gguf
+package's values). Run with -s to see the measured differences."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from tests.procs.inference.test_architectures import GREEDY, _ours, _prompt, _transformers, _write_gguf
+from tests.procs.inference.test_architectures import CASES, GREEDY, _ours, _prompt, _transformers, _write_gguf
 
 gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
@@ -25,8 +27,10 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 EXACT_TOL = 1e-3          # f32 rounding, as the unquantized parity
 # types requantized for decode: their extra rounding against the file's own quantization error
-# (how far the file's values move the logits from the unquantized model's); measured 0.13-0.17 here
-REQUANT_SHARE = 0.25
+# (how far the file's values move the logits from the unquantized model's), both as the largest
+# logit difference: measured 0.11-0.29 over the architectures here; a wrong scale or min would
+# be at least the quantization's own size
+REQUANT_SHARE = 0.4
 TYPES = [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
 REQUANTIZED = {T.Q5_1}
 
@@ -45,19 +49,19 @@ def _dequantized(m, qtype):
 @pytest.fixture(scope="module")
 def models():
     from tests.procs.inference.test_architectures import _hf_model
-    return {name: _hf_model(name) for name in ("llama", "qwen2")}
+    return {name: _hf_model(name) for name in CASES}
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", list(CASES))
 def test_quantized_file_matches_its_dequantized_weights(models, tmp_path, arch, qtype):
     m = models[arch]
     path = str(tmp_path / f"{qtype.name}.gguf")
-    _write_gguf(m, path, arch, qtype)
+    _write_gguf(m, path, CASES[arch][2], qtype)
     ids = _prompt(arch)
     ref_logits, ref_toks = _transformers(_dequantized(m, qtype), ids)
     model, logits, toks = _ours(path, ids)
-    assert model.decoder is not None                      # the native decode ran
+    assert (model.decoder is not None) == (arch != "qwen3moe")   # the native decode ran (MoE: torch's)
     d = (logits - ref_logits).abs().max().item()
     plain = m(torch.tensor([ids]), use_cache=False).logits[0].float().detach()
     d_quant = (plain - ref_logits).abs().max().item()     # what the file's quantization itself moves
@@ -66,7 +70,7 @@ def test_quantized_file_matches_its_dequantized_weights(models, tmp_path, arch, 
     print(f"\n[{arch} {qtype.name}] logits vs transformers on the file's values: {d:.3g} (tolerance {tol:.3g}; "
           f"the quantization itself moves them {d_quant:.3g}); greedy tokens equal for {agree:.0%} of {GREEDY}")
     assert d < tol
-    if qtype not in REQUANTIZED:
+    if qtype not in REQUANTIZED and model.decoder is not None:   # torch's packed decode takes bf16 activations
         assert toks == ref_toks
     if qtype not in (T.F16, T.BF16):                      # the quantization is real
         assert d_quant > 10 * EXACT_TOL
