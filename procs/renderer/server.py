@@ -108,8 +108,8 @@ class Renderer(Readiness, Answers):
         self.held: collections.deque[tuple[bytes, m.GenerateRequest, float]] = collections.deque()
         self.unready_since: float | None = time.monotonic()
         self.stop = StopFlag()
-        log.info("started: %s, context %d, %d tokens in vocabulary", self.model_id, self.n_ctx,
-                 self.text.vocab_size)
+        log.info("started: %s, context %d, %d tokens in vocabulary, tool calls in the %s format", self.model_id,
+                 self.n_ctx, self.text.vocab_size, toolfmt.detect(self.text.chat_template).name)
 
     # -- plumbing --
     def to_web(self, route: bytes, msg) -> None:

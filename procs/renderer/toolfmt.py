@@ -94,6 +94,8 @@ MISTRAL_SPACED = Format("mistral", native=True, trigger="[TOOL_CALLS]", block_op
 MISTRAL_ARGS = Format("mistral_args", native=True, trigger="[TOOL_CALLS]", head_pre="[TOOL_CALLS]",
                       tail="", kind="args", short_ids=True)
 FORMATS = {f.name: f for f in (GENERIC, HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS)}
+# call bodies written as XML inside <tool_call> tags, a syntax not parsed here
+XML_CALLS = ("<function=", "<parameter=", "<arg_key>")
 
 
 @lru_cache(maxsize=8)
@@ -108,7 +110,11 @@ def detect(template: str | None) -> Format:
             return MISTRAL_ARGS
         return MISTRAL_SPACED if "[TOOL_CALLS] [" in src else MISTRAL
     if "<tool_call>" in src:
-        return HERMES
+        # JSON inside the tags (Qwen2.5, Qwen3, Hermes); XML bodies (Qwen3-Coder's
+        # <function=...><parameter=...>, GLM's <arg_key>) are not parsed: generic format
+        if '"name"' in src and not any(x in src for x in XML_CALLS):
+            return HERMES
+        return GENERIC
     if "<|start_header_id|>" in src and '"parameters"' in src:
         return LLAMA3
     return GENERIC

@@ -69,6 +69,9 @@ def test_the_format_is_read_from_the_template(text_model):
     assert toolfmt.detect(None) is toolfmt.GENERIC
     # mentioning the tokens without ever reading `tools` cannot render them
     assert toolfmt.detect("<tool_call>{{ messages }}") is toolfmt.GENERIC
+    # XML bodies inside the tags (Qwen3-Coder, GLM) are not the Hermes JSON: generic
+    assert toolfmt.detect("{{ tools }}<tool_call>\n<function={{ name }}>\n<parameter=x>") is toolfmt.GENERIC
+    assert toolfmt.detect("{{ tools }}<tool_call>{{ name }}<arg_key>k</arg_key>") is toolfmt.GENERIC
 
 
 @pytest.mark.parametrize("fmt", [toolfmt.HERMES, toolfmt.LLAMA3, toolfmt.MISTRAL, toolfmt.MISTRAL_SPACED,
