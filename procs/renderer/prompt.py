@@ -75,7 +75,7 @@ def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(),
             raise PromptError("messages", f"the chat template rejected the messages: {e}") from None
         # a replayed call is an assistant turn without tool_calls, which a template may refuse
         # (Mistral's check that user and assistant turns alternate): the calls from JSON then
-        stats.__init__()
+        stats.reset()
         try:
             rendered = _render(text, req, chat_messages(req, None, (), stats, fmt), fmt, True)
         except Exception as e2:

@@ -109,6 +109,9 @@ class Rendered:
     """Counts of how each assistant tool call of a request was rendered (for the trace)."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
         self.memory = self.disk = self.json = self.missing = 0
 
     def line(self) -> str:
