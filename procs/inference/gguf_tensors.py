@@ -124,7 +124,6 @@ def q8_parts(g: GGUFFile, name: str):
     info = g.tensors[name]
     n, k = info.shape[1], info.shape[0]
     raw = torch.from_numpy(g.raw(name).copy())
-    g.release(name)
     if info.type_name == "Q5_0":
         d, q = _q5_0_levels(raw)
         return q.to(torch.int8).view(n, k), d.view(n, k // 32)

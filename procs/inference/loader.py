@@ -172,19 +172,17 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             tensors[ours] = norms[ours].to(dtype)
         else:
             tensors.later(ours, dense)
+        # a quantized source's parts (rows of levels, per-group scales...) in HF row order
+        def parts(read, gname=gname, heads=heads):
+            x = read(g, gname)
+            g.release(gname)
+            return tuple(_unpermute(t, heads) for t in x) if heads else x
         if info.type_name in INT4_TYPES and len(info.shape) == 2:
-            def parts(gname=gname, heads=heads):
-                x = q4_parts(g, gname)
-                g.release(gname)
-                return tuple(_unpermute(t, heads) for t in x) if heads else x
-            q4.later(ours, parts)
+            q4.later(ours, lambda parts=parts: parts(q4_parts))
         elif info.type_name in INT8_TYPES:
             q8.add(ours)
             if info.type_name in EXACT_INT8_TYPES and len(info.shape) == 2:
-                def exact(gname=gname, heads=heads):
-                    x = q8_parts(g, gname)
-                    return tuple(_unpermute(t, heads) for t in x) if heads else x
-                q8p.later(ours, exact)
+                q8p.later(ours, lambda parts=parts: parts(q8_parts))
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8), q8p)
 
 

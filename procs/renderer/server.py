@@ -9,9 +9,10 @@ Readiness: what it learns from other processes (the persister's index and tool i
 live session's ids, inference's health) it asks for whenever it does not know it, and a
 request that arrives meanwhile is held, unrendered, never planned against "empty".
 
-Here: the sockets, run(), admission and dispatch. Decisions live beside it: plan.py (the
-reuse plan), readiness.py (what must be known before serving), answer.py (Token events
-to the web's messages), grammar.py, prompt.py, tools.py, cache.py.
+Here: the sockets, run(), admission and the events. Decisions live beside it: dispatch.py
+(which queued request goes to inference, and its job), plan.py (the reuse plan),
+readiness.py (what must be known before serving), answer.py (Token events to the web's
+messages), grammar.py, prompt.py, tools.py, toolfmt.py, cache.py.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import json
 import time
 import uuid
 
-import msgspec
 import zmq
 
 from common import messages as m
@@ -33,12 +33,12 @@ from common.models import ModelError, context_size, load_text, resolve, served_m
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER, RENDERER_EVENTS, address, run_dir
 from common.trace import Trace
 from procs.renderer.cache import DiskIndex
-from procs.renderer.plan import plan_job
 from procs.renderer.answer import Answers, Pending
-from procs.renderer.readiness import HEALTH_FRESH_S, Readiness
+from procs.renderer.dispatch import Dispatch
+from procs.renderer.readiness import Readiness
 from common import guidance
 from procs.renderer import grammar, toolfmt, tools
-from procs.renderer.prompt import PromptError, TextStream, render, tool_choice
+from procs.renderer.prompt import PromptError, render, tool_choice
 
 JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (lost job)
 # Inference answers pings between prefill chunks and tokens, so a process heard when a job
@@ -49,22 +49,7 @@ INFERENCE_SILENCE_S = 20.0
 MAX_HINTS = 10_000        # session hints remembered (each names a resident session, or a gone one)
 
 
-def shared(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists (slice compares run in C)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n        # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-class Renderer(Readiness, Answers):
+class Renderer(Readiness, Answers, Dispatch):
     def __init__(self, s: Settings, log):
         self.s, self.log = s, log
         path = resolve(s.model, s.models_path())
@@ -90,6 +75,7 @@ class Renderer(Readiness, Answers):
         self.to_persister.connect(address(s, PERSISTER))
         self.index = DiskIndex(s, self.trace)
         self.grammars = grammar.Checker(guidance.tokenizer(self.text))
+        self.call_format = toolfmt.detect(self.text.chat_template)   # the model family's call syntax
         self.enc = m.encoder()
         self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.EventsIn)
         self.queue: collections.deque[Pending] = collections.deque()
@@ -109,7 +95,7 @@ class Renderer(Readiness, Answers):
         self.unready_since: float | None = time.monotonic()
         self.stop = StopFlag()
         log.info("started: %s, context %d, %d tokens in vocabulary, tool calls in the %s format", self.model_id,
-                 self.n_ctx, self.text.vocab_size, toolfmt.detect(self.text.chat_template).name)
+                 self.n_ctx, self.text.vocab_size, self.call_format.name)
 
     # -- plumbing --
     def to_web(self, route: bytes, msg) -> None:
@@ -233,7 +219,7 @@ class Renderer(Readiness, Answers):
             return None
         fmt = json.loads(req.response_format) if req.response_format else None
         return self.grammars.make(json.loads(req.tools) if req.tools else [], tool_choice(req), fmt,
-                                  req.parallel_tool_calls, toolfmt.detect(self.text.chat_template))
+                                  req.parallel_tool_calls, self.call_format)
 
     def holds(self, rid: str) -> bool:
         return (rid in self.running or any(p.req.rid == rid for p in self.queue)
@@ -252,75 +238,6 @@ class Renderer(Readiness, Answers):
         if p is not None:
             p.finished = True
             self.to_inference(m.CancelJob(rid=rid))
-
-    def dispatch(self) -> None:
-        """Send queued requests to inference, in order, while fewer than s.batch run; each is
-        planned now, against the sessions as they will be: a session a running job uses is
-        copied from, never continued in place. A request that follows a running job (below)
-        waits for that job; the requests behind it go on."""
-        if self.lacks():         # planned only against known state (queued requests wait)
-            return
-        i = 0
-        while i < len(self.queue) and len(self.running) < self.s.batch:
-            p = self.queue[i]
-            if p.waits_for in self.running:     # not planned again until that job is done
-                i += 1
-                continue
-            busy = {q.session: q.reuse for q in self.running.values() if q.session}
-            pl = plan_job(self.s, self.text, self.n_ctx, self.index, self.planning_view(busy),
-                          self.inference.quant_bits if self.inference else 0, p.req, p.prompt, p.full,
-                          self.hints.get(p.req.session_hint, 0) if p.req.session_hint else 0, set(busy))
-            q = next((q for q in self.running.values() if self.follows(p, q, pl.cached)), None)
-            if q is not None:
-                p.waits_for = q.req.rid
-                i += 1
-                continue
-            del self.queue[i]
-            self.send_job(p, pl)
-
-    def follows(self, p: Pending, q: Pending, cached: int) -> bool:
-        """Whether p should wait for the running q: p's prompt extends q's (q's conversation's
-        next turn, sent as q's last token arrived, before inference reported its session),
-        or shares with it at least a checkpoint's worth more tokens than p's plan reuses (a
-        side request beside a cold first turn: waiting beats computing the prefix twice)."""
-        if len(p.prompt) > len(q.prompt) and p.prompt.startswith(q.prompt):
-            return True
-        return shared(p.full, q.ids) - cached >= max(self.s.kv_cache_min_tokens, 1)
-
-    def planning_view(self, busy: dict[int, int]) -> dict[int, m.LiveSession]:
-        """The resident sessions as a new job may use them: a session a running job uses
-        holds, for sure, only the tokens that job keeps (it cuts the rest and appends)."""
-        if not busy:
-            return self.live
-        return {sid: ls if sid not in busy else
-                m.LiveSession(sid=sid, tokens=ls.tokens[:busy[sid]], keep_from=ls.keep_from)
-                for sid, ls in self.live.items()}
-
-    def send_job(self, p: Pending, pl) -> None:
-        for line in pl.notes:
-            self.trace.line(line)
-        p.ids, p.miss = pl.ids, pl.miss
-        budget = min(p.req.sampling.max_tokens, self.n_ctx - pl.n_prompt, self.s.n_predict or self.n_ctx)
-        # the client's parameters, every field kept, with the budget and stop ids decided here
-        sampling = msgspec.structs.replace(p.req.sampling, max_tokens=budget,
-                                           stop_ids=tuple(sorted(self.text.stop_ids)), vocab=self.text.vocab_size)
-        p.stream = TextStream(self.text, p.req.stop)
-        if p.req.tools:
-            choice = tool_choice(p.req)
-            if choice != "none":
-                calls = toolfmt.detect(self.text.chat_template)
-                p.calls = tools.CallParser(opened=calls.opener(choice), fmt=calls)
-        p.since = time.monotonic()
-        p.heard_at_dispatch = p.since - self.last_heard < HEALTH_FRESH_S
-        p.dispatch_seq = self.ping_seq
-        p.session, p.reuse = pl.session, pl.reuse
-        self.running[p.req.rid] = p
-        r = pl.restore
-        self.to_inference(m.Job(rid=p.req.rid, ids=tuple(pl.ids), reuse=pl.reuse, sampling=sampling,
-                                restore=r.sha1 if r else "", restore_tokens=r.n_tokens if r else 0,
-                                suffix=pl.suffix, saves=pl.saves, evict=pl.evict,
-                                run_last=p.calls is not None, constraint=p.constraint,
-                                session=pl.session, source=pl.source, unsaved=pl.unsaved))
 
     # -- the mirror of inference's resident sessions --
     def mirror(self, sessions) -> None:

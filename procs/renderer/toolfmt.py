@@ -24,6 +24,7 @@ import json
 import re
 import secrets
 import string
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -83,17 +84,14 @@ class Format:
 
 GENERIC = Format("generic", native=False, trigger="<tool_call>", head_pre="<tool_call>\n",
                  tail="}\n</tool_call>", sep="\n", close="</tool_call>")
-HERMES = Format("hermes", native=True, trigger="<tool_call>", head_pre="<tool_call>\n",
-                tail="}\n</tool_call>", sep="\n", close="</tool_call>")
+HERMES = dataclasses.replace(GENERIC, name="hermes", native=True)   # the same calls, rendered by the template
 LLAMA3 = Format("llama3", native=True, trigger='{"name"', args_key="parameters", parallel=False,
                 kind="object")
 MISTRAL = Format("mistral", native=True, trigger="[TOOL_CALLS]", block_open="[TOOL_CALLS][", sep=", ",
                  block_close="]", kind="array", short_ids=True)
-MISTRAL_SPACED = Format("mistral", native=True, trigger="[TOOL_CALLS]", block_open="[TOOL_CALLS] [",
-                        sep=", ", block_close="]", kind="array", short_ids=True)
+MISTRAL_SPACED = dataclasses.replace(MISTRAL, block_open="[TOOL_CALLS] [")   # Mistral 7B v0.3, Small 3.1
 MISTRAL_ARGS = Format("mistral_args", native=True, trigger="[TOOL_CALLS]", head_pre="[TOOL_CALLS]",
                       tail="", kind="args", short_ids=True)
-FORMATS = {f.name: f for f in (GENERIC, HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS)}
 # call bodies written as XML inside <tool_call> tags, a syntax not parsed here
 XML_CALLS = ("<function=", "<parameter=", "<arg_key>")
 
@@ -169,14 +167,9 @@ def scan(f: Format, s: str, i: int) -> tuple[list[tuple[str, str]], int, bool]:
         b = s.find(f.close, i)
         if b < 0:
             raise Incomplete
-        body = s[i + len(f.trigger):b]
         try:
-            obj = json.loads(body)
-        except (json.JSONDecodeError, RecursionError):
-            return [], b + len(f.close), True     # a malformed call is skipped, the block goes on
-        try:
-            return [_call_of(obj)], b + len(f.close), True
-        except ValueError:
+            return [_call_of(json.loads(s[i + len(f.trigger):b]))], b + len(f.close), True
+        except (ValueError, RecursionError):     # a malformed call is skipped, the block goes on
             return [], b + len(f.close), True
     if f.kind == "object":
         obj, end = json_value(s, i)

@@ -30,10 +30,6 @@ TOOLS_FOOTER = ("\n</tools>\n\nTo call a function, answer with a JSON object hol
                 '\n{"name": <function-name>, "arguments": <args-json-object>}\n' + CLOSE)
 
 
-def new_id() -> str:
-    return GENERIC.new_id()
-
-
 def tools_text(tools: list[dict]) -> str:
     lines = [json.dumps(t, ensure_ascii=False, sort_keys=False) for t in tools]
     return TOOLS_HEADER + "\n".join(lines) + TOOLS_FOOTER
@@ -47,15 +43,16 @@ def _args_value(arguments: str):
         return arguments
 
 
-def call_json(name: str, arguments: str, fmt: Format = GENERIC) -> str:
-    """A call rendered from the client's JSON (no replay): arguments re-serialized compactly
-    in our own spacing, since the client's spacing is arbitrary anyway."""
-    return fmt.block([(name, json.dumps(_args_value(arguments), ensure_ascii=False))])
+def call_json(name: str, arguments: str) -> str:
+    """A call of the generic format rendered from the client's JSON (no replay): arguments
+    re-serialized compactly in our own spacing, since the client's spacing is arbitrary anyway
+    (a native format's template renders its calls itself)."""
+    return GENERIC.block([(name, json.dumps(_args_value(arguments), ensure_ascii=False))])
 
 
-def opener(choice, fmt: Format = GENERIC) -> str:
-    """Text appended to the generation prompt so the model completes a call."""
-    return fmt.opener(choice)
+def opener(choice) -> str:
+    """The generic format's call opener (Format.opener) for a tool_choice."""
+    return GENERIC.opener(choice)
 
 
 class ToolMemory:
@@ -150,7 +147,7 @@ def prepare_messages(msgs: list[dict], tools: list[dict], memory: ToolMemory | N
                                    for c in calls]
             else:
                 stats.json += len(calls)
-                js = "\n".join(call_json(c["function"]["name"], c["function"]["arguments"], fmt) for c in calls)
+                js = "\n".join(call_json(c["function"]["name"], c["function"]["arguments"]) for c in calls)
                 d["content"] = (d["content"] + "\n" + js) if d["content"] else js
     return out
 

@@ -1,0 +1,102 @@
+"""Dispatch: which queued request goes to inference next, and the job it becomes. A mixin of
+Renderer (procs/renderer/server.py), whose state it uses: s, text, n_ctx, index, inference,
+queue, running, live, hints, trace, call_format, last_heard, ping_seq, to_inference, lacks.
+Invariant: a job is planned when it is sent, against the sessions as they will be while the
+other running jobs go on (a session one of them uses is a copy source, never continued)."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from common import messages as m
+from procs.renderer import tools
+from procs.renderer.answer import Pending
+from procs.renderer.plan import plan_job
+from procs.renderer.prompt import TextStream, tool_choice
+from procs.renderer.readiness import HEALTH_FRESH_S
+
+
+def shared(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (slice compares run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n        # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class Dispatch:
+    def dispatch(self) -> None:
+        """Send queued requests to inference, in order, while fewer than s.batch run; each is
+        planned now, against the sessions as they will be: a session a running job uses is
+        copied from, never continued in place. A request that follows a running job (below)
+        waits for that job; the requests behind it go on."""
+        if self.lacks():         # planned only against known state (queued requests wait)
+            return
+        i = 0
+        while i < len(self.queue) and len(self.running) < self.s.batch:
+            p = self.queue[i]
+            if p.waits_for in self.running:     # not planned again until that job is done
+                i += 1
+                continue
+            busy = {q.session: q.reuse for q in self.running.values() if q.session}
+            pl = plan_job(self.s, self.text, self.n_ctx, self.index, self.planning_view(busy),
+                          self.inference.quant_bits if self.inference else 0, p.req, p.prompt, p.full,
+                          self.hints.get(p.req.session_hint, 0) if p.req.session_hint else 0, set(busy))
+            q = next((q for q in self.running.values() if self.follows(p, q, pl.cached)), None)
+            if q is not None:
+                p.waits_for = q.req.rid
+                i += 1
+                continue
+            del self.queue[i]
+            self.send_job(p, pl)
+
+    def follows(self, p: Pending, q: Pending, cached: int) -> bool:
+        """Whether p should wait for the running q: p's prompt extends q's (q's conversation's
+        next turn, sent as q's last token arrived, before inference reported its session),
+        or shares with it at least a checkpoint's worth more tokens than p's plan reuses (a
+        side request beside a cold first turn: waiting beats computing the prefix twice)."""
+        if len(p.prompt) > len(q.prompt) and p.prompt.startswith(q.prompt):
+            return True
+        return shared(p.full, q.ids) - cached >= max(self.s.kv_cache_min_tokens, 1)
+
+    def planning_view(self, busy: dict[int, int]) -> dict[int, m.LiveSession]:
+        """The resident sessions as a new job may use them: a session a running job uses
+        holds, for sure, only the tokens that job keeps (it cuts the rest and appends)."""
+        if not busy:
+            return self.live
+        return {sid: ls if sid not in busy else
+                m.LiveSession(sid=sid, tokens=ls.tokens[:busy[sid]], keep_from=ls.keep_from)
+                for sid, ls in self.live.items()}
+
+    def send_job(self, p: Pending, pl) -> None:
+        for line in pl.notes:
+            self.trace.line(line)
+        p.ids, p.miss = pl.ids, pl.miss
+        budget = min(p.req.sampling.max_tokens, self.n_ctx - pl.n_prompt, self.s.n_predict or self.n_ctx)
+        # the client's parameters, every field kept, with the budget and stop ids decided here
+        sampling = msgspec.structs.replace(p.req.sampling, max_tokens=budget,
+                                           stop_ids=tuple(sorted(self.text.stop_ids)), vocab=self.text.vocab_size)
+        p.stream = TextStream(self.text, p.req.stop)
+        if p.req.tools:
+            choice = tool_choice(p.req)
+            if choice != "none":
+                p.calls = tools.CallParser(opened=self.call_format.opener(choice), fmt=self.call_format)
+        p.since = time.monotonic()
+        p.heard_at_dispatch = p.since - self.last_heard < HEALTH_FRESH_S
+        p.dispatch_seq = self.ping_seq
+        p.session, p.reuse = pl.session, pl.reuse
+        self.running[p.req.rid] = p
+        r = pl.restore
+        self.to_inference(m.Job(rid=p.req.rid, ids=tuple(pl.ids), reuse=pl.reuse, sampling=sampling,
+                                restore=r.sha1 if r else "", restore_tokens=r.n_tokens if r else 0,
+                                suffix=pl.suffix, saves=pl.saves, evict=pl.evict,
+                                run_last=p.calls is not None, constraint=p.constraint,
+                                session=pl.session, source=pl.source, unsaved=pl.unsaved))
