@@ -4,8 +4,12 @@ The renderer validates grammars against it (a bad schema is the client's 400 bef
 work is queued); inference computes token masks with it. Both build it from the same
 `TextModel.pieces`, so a token's bytes are the bytes the prompt and the cache text use.
 llguidance was chosen over xgrammar by measured mask cost and footprint (README).
+Also shared: how an answer that opens with a fenced call is recognised (renderer/toolfmt.py
+says why), by the renderer's parser and by inference's trigger alike.
 """
 from __future__ import annotations
+
+import re
 
 import llguidance
 
@@ -34,3 +38,35 @@ def tokenizer(text: TextModel) -> llguidance.LLTokenizer:
     """Every stop id counts as end of sequence: a finished grammar allows exactly those."""
     eos = sorted(text.stop_ids) or None
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(text)), eos_token=eos)
+
+
+# the opening of a fenced call, up to the quote that opens its name
+FENCE_HEAD = re.compile(r'\s*```(?:json)?[ \t]*\r?\n\s*\{\s*"name"\s*:\s*"')
+# the same, piece by piece, to tell a prefix that may still become one: regexes that may
+# match nothing, literals, and optional literals ("?" + text)
+_HEAD_STEPS = (re.compile(r"\s*"), "```", "?json", re.compile(r"[ \t]*"), "?\r", "\n", re.compile(r"\s*"), "{",
+               re.compile(r"\s*"), '"name"', re.compile(r"\s*"), ":", re.compile(r"\s*"), '"')
+
+
+def fence_state(s: str) -> int:
+    """1 when the answer s opens a fenced call (FENCE_HEAD), 0 while it still may, -1 when it
+    cannot."""
+    if FENCE_HEAD.match(s):
+        return 1
+    i = 0
+    for step in _HEAD_STEPS:
+        rest = s[i:]
+        if not isinstance(step, str):
+            i = step.match(s, i).end()
+            if i == len(s):
+                return 0
+            continue
+        lit = step.lstrip("?")
+        if rest.startswith(lit):
+            i += len(lit)
+        elif lit.startswith(rest):
+            return 0
+        elif not step.startswith("?"):
+            return -1
+    return 1
+

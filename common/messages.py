@@ -101,6 +101,7 @@ class Constraint(msgspec.Struct, frozen=True):
     constrains what follows them. A finished grammar allows only the stop tokens."""
     grammar: str
     trigger: bytes = b""
+    fence: str = ""     # the grammar of a fenced call the answer opens with (toolfmt.FENCE_HEAD)
 
 
 class IndexEntry(msgspec.Struct, frozen=True):

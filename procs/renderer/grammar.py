@@ -17,6 +17,7 @@ import hashlib
 import json
 
 import llguidance
+import msgspec
 
 from common import messages as m
 from procs.renderer.toolfmt import GENERIC, Format
@@ -83,6 +84,23 @@ def _functions(tools: list[dict]) -> list[tuple[str, dict, bool]]:
     return out
 
 
+def names(tools_json: str) -> frozenset[str]:
+    """The function names a request's tools (JSON text) declare."""
+    return frozenset(n for n, _, _ in _functions(json.loads(tools_json))) if tools_json else frozenset()
+
+
+def _fenced(fns) -> str:
+    """A fenced call (toolfmt.FENCE_HEAD) from its name's opening quote on: the name one of
+    the tools', the arguments in the grammar's spacing; the head's spacing is the model's
+    own, a few blanks at most (an unbounded run lets a small model write blanks forever)."""
+    rules = "start: fc WS \"}\" \"\\n```\"\nWS: /[ \\t\\n]{0,12}/\nfc: " + \
+        " | ".join(f"h{i}" for i in range(len(fns))) + "\n"
+    for i, (name, params, strict) in enumerate(fns):
+        rules += f"h{i}: {_lit(json.dumps(name, ensure_ascii=False)[1:] + ',')} WS {_lit(chr(34) + 'arguments' + chr(34) + ': ')} a{i}\n"
+        rules += _json_rule(f"a{i}", params, strict)
+    return rules
+
+
 def _seq(*parts: str) -> str:
     """Lark sequence of literal texts and rule names (names are given as ("rule",))."""
     return " ".join(p[0] if isinstance(p, tuple) else _lit(p) for p in parts if p) or '""'
@@ -126,7 +144,7 @@ def build(tools: list[dict], choice, fmt: dict | None, parallel: bool = False,
         return m.Constraint(grammar="start: fmt\n" + body)
     if fns:                                       # auto: free text until the model opens a call
         return m.Constraint(grammar="start: first more end\n" + _call_rules(fns, parallel, calls),
-                            trigger=calls.trigger.encode())
+                            trigger=calls.trigger.encode(), fence=_fenced(fns) if calls.kind == "tags" else "")
     return None
 
 
@@ -172,4 +190,6 @@ class Checker:
         if err:
             raise GrammarError("response_format" if fmt is not None else "tools",
                                f"the schema cannot be used to constrain the answer: {err.splitlines()[0]}")
+        if c.fence and self.verdict(c.fence):     # the tags are still constrained
+            c = msgspec.structs.replace(c, fence="")
         return c

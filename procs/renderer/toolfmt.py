@@ -17,6 +17,14 @@ Families (the format is recognised in the GGUF's own template text, as llama.cpp
   call ids of 9 letters and digits (the templates refuse others).
 - mistral_args (Mistral Small 3.2, Devstral, tokenizer v11+): `[TOOL_CALLS]name[ARGS]{...}`
   per call.
+
+Fenced calls: small models of the tag formats (Qwen2.5 0.5B-1.5B) often answer with a
+Markdown-fenced object, ```` ```json\n{"name": ..., "arguments": ...}\n``` ````, instead of the
+tags. An answer that *opens* with such a block (the fence, then an object whose first key is
+"name"; common/guidance.py recognises it) is taken as one call of a declared tool, as
+llama.cpp's Hermes parser takes it. Under tool_choice auto the grammar starts at the name
+and holds it to a declared tool: llama.cpp waits for a declared name, but a small model
+asked to run `cat main.py` names its call "cat main.py". The block is replayed as sampled.
 """
 from __future__ import annotations
 
@@ -190,3 +198,26 @@ def scan(f: Format, s: str, i: int) -> tuple[list[tuple[str, str]], int, bool]:
     name = s[i + len(f.trigger):a]
     args, end = json_value(s, a + len("[ARGS]"))
     return [(name, json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args)], end, True
+
+
+_FENCE = re.compile(r"\s*```(?:json)?[ \t]*\r?\n")
+
+
+def scan_fenced(s: str, names, final: bool = False) -> tuple[list[tuple[str, str]], int, bool]:
+    """The call of a fenced answer (s opens with guidance.FENCE_HEAD): ([(name, arguments)], end,
+    False), the closing fence included when it follows. ValueError when it is not a call of
+    a declared tool; Incomplete while the text may still become one (unless `final`)."""
+    obj, end = json_value(s, _FENCE.match(s).end())
+    name, args = _call_of(obj)
+    if name not in names:
+        raise ValueError(f"no tool named {name!r}")
+    rest = s[end:].lstrip()
+    if rest.startswith("```"):
+        end = s.index("```", end) + 3
+    elif not final and "```".startswith(rest):
+        raise Incomplete
+    return [(name, args)], end, False
+
+
+FENCED_PARTIAL = re.compile(r'\s*```(?:json)?[ \t]*\r?\n\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*'
+                            r'"(?:arguments|parameters)"\s*:\s*(.*)\Z', re.S)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import json
 
-from common import kvfile
+from common import guidance, kvfile
 from common import messages as m
 from procs.renderer import toolfmt
 from procs.renderer.toolfmt import GENERIC, Format
@@ -177,9 +177,13 @@ class CallParser:
     """Splits generated text into content and tool calls, incrementally. Text that might
     open a call is held back; a call is emitted when it is complete in the format's syntax."""
 
-    def __init__(self, opened: str = "", fmt: Format = GENERIC):
+    def __init__(self, opened: str = "", fmt: Format = GENERIC, names=frozenset()):
         self.fmt = fmt
+        self.names = frozenset(names)
+        # an answer may open with a fenced call (guidance.fence_state) while this is 0
+        self.fence = 0 if names and fmt.kind == "tags" and not opened else -1
         self.cut: tuple[str, str, str] | None = None    # a call the token limit cut, from flush()
+        self.late: list[m.ToolCallDelta] = []           # a call flush() closed
         self.content_done = bool(opened)
         self.buf = opened            # text since the first trigger (the block), or held content
         self.block = opened          # the whole block text so far
@@ -196,6 +200,16 @@ class CallParser:
         if self.closed:
             return "", []
         trig = self.fmt.trigger
+        if not self.content_done and self.fence == 0:
+            self.buf += text
+            self.fence = guidance.fence_state(self.buf)
+            if self.fence == 0:
+                return "", []
+            if self.fence == 1:
+                self.block = self.buf
+                self.content_done = True
+                return "", self._calls()
+            text, self.buf = self.buf, ""
         if not self.content_done:
             self.buf += text
             i = self.buf.find(trig)
@@ -214,14 +228,15 @@ class CallParser:
         self.block += text
         return "", self._calls()
 
-    def _calls(self) -> list[m.ToolCallDelta]:
+    def _calls(self, final: bool = False) -> list[m.ToolCallDelta]:
         pieces = []
         while self.more:
             a = self.buf.find(self.fmt.trigger, self.scan)
-            if a < 0 or self.buf[self.scan:a].strip():
+            if self.fence != 1 and (a < 0 or self.buf[self.scan:a].strip()):
                 return pieces
             try:
-                found, end, self.more = toolfmt.scan(self.fmt, self.buf, a)
+                found, end, self.more = toolfmt.scan_fenced(self.buf, self.names, final) if self.fence == 1 \
+                    else toolfmt.scan(self.fmt, self.buf, a)
             except toolfmt.Incomplete:
                 return pieces
             except ValueError:      # not a call after all: the block ends before it
@@ -264,8 +279,11 @@ class CallParser:
         if not self.content_done:
             out, self.buf = self.buf, ""
             return out
+        if self.fence == 1 and self.more:      # a fenced call may end without its closing fence
+            self.late = self._calls(final=True)
         tail = self.buf[self.scan:]
-        m_ = self.fmt.partial().match(tail) if self.more else None
+        partial = toolfmt.FENCED_PARTIAL if self.fence == 1 else self.fmt.partial()
+        m_ = partial.match(tail) if self.more else None
         if m_ is not None:
             self.cut = (self.fmt.new_id(), m_.group(1), m_.group(2))
             return ""
@@ -274,8 +292,9 @@ class CallParser:
         return ""
 
     def cut_pieces(self) -> list[m.ToolCallDelta]:
+        """After flush(): the pieces of a call it closed, or of the call the limit cut."""
         if self.cut is None:
-            return []
+            return self.late
         cid, name, args = self.cut
         idx = len(self.calls)
         return [m.ToolCallDelta(index=idx, id=cid, name=name)] + [

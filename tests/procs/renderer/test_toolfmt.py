@@ -223,3 +223,29 @@ def test_a_template_that_refuses_a_replayed_call_gets_it_from_json(text_model):
     prompt = render(text, _request(turn3), memory, (), stats).decode()
     assert stats.memory == 0 and stats.json == 1
     assert '"id": "' + cid + '"' in prompt                   # the template's own rendering of the call
+
+
+def test_an_answer_that_opens_with_a_fenced_call_is_a_call(text_model):
+    """Small Qwen models answer ```json {"name": ...} ``` instead of the tags: a call of a
+    declared tool, at any split; an undeclared name or other fenced code stays content; under
+    auto the grammar takes over at the name and admits only declared names."""
+    text = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Rome"}\n}\n```'
+    for step in (1, 3, 64):
+        p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather", "get_time"})
+        content, pieces = stream(p, text, step)
+        assert content == "" and p.done
+        assert [c[1:] for c in whole(pieces)] == [("get_weather", '{"city": "Rome"}')]
+    for other in ('```json\n{"name": "cat main.py", "arguments": {}}\n```', '```python\nprint(1)\n```'):
+        p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather"})
+        content, pieces = stream(p, other)
+        assert content + p.flush() == other and not pieces and not p.calls
+    c = grammar.build(TOOLS, "auto", None, calls=toolfmt.HERMES)
+    guide = Guides(text_model).start(c)
+    for tok in text_model.encode(b'```json\n{\n  "name": "'):
+        guide.advance(tok)
+    assert guide.matcher is not None
+    assert guide.matcher.consume_tokens(text_model.encode(b'get_time",'))
+    guide2 = Guides(text_model).start(c)
+    for tok in text_model.encode(b'```json\n{\n  "name": "'):
+        guide2.advance(tok)
+    assert not guide2.matcher.consume_tokens(text_model.encode(b'cat main.py",'))
