@@ -22,6 +22,7 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/ricordo fetch-model
 	$(BIN)/ricordo fetch-model gemma3-270m
+	$(BIN)/ricordo fetch-model qwen2.5-coder-0.5b
 
 serve: model
 	PATH="$(CURDIR)/$(BIN):$$PATH" RICORDO_KV_DISK_DIR="$${RICORDO_KV_DISK_DIR:-$$HOME/.cache/ricordo/kv}" $(BIN)/honcho start

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,72 @@ def test_claude_code_sessions_share_the_cache(tmp_path):
         total = u["input_tokens"] + u["cache_read_input_tokens"]
         assert total > 0.9 * whole and u["input_tokens"] <= 0.1 * total, (first, u)
     assert "KV cache: hit for sha1=" in after, after[-3000:]   # from disk after the restart
+
+
+# Qwen2.5-Coder-0.5B calls tools (often as a fenced JSON block, which the server takes as a
+# call) but, answering greedily, seldom stops calling: a session that asked for a command is
+# ended by the test once the agent has sent the call's result back, and the assertion is the
+# server's: the next request carried the call, replayed byte for byte from memory.
+TOOL_MODEL = "qwen2.5-coder-0.5b"
+TOOL_ASK = "Run the shell command cat main.py and tell me what the file contains."
+ROUND_TRIP_S = 300
+
+
+def replayed(trace: Path) -> bool:
+    return any("tool calls:" in line and " 0 replayed from memory" not in line
+               for line in trace.read_text().splitlines())
+
+
+def until_round_trip(cmd: list, env: dict, cwd: Path, trace: Path) -> str:
+    """Run an agent until a request replays one of its calls (or it ends); its stdout."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_"))}
+    full_env.update(env)
+    out = cwd.parent / "agent.out"
+    with open(out, "w") as f:
+        p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=f,
+                             stderr=subprocess.DEVNULL, text=True)
+        deadline = time.monotonic() + ROUND_TRIP_S
+        while p.poll() is None and time.monotonic() < deadline and not replayed(trace):
+            time.sleep(1)
+        p.kill()
+        p.wait()
+    return out.read_text()
+
+
+def test_codex_cli_tool_call_round_trip(tmp_path):
+    codex = need("codex")
+    home = tmp_path / "codexhome"
+    home.mkdir()
+    work = workdir(tmp_path)
+    with serve(tmp_path, 32768, model=TOOL_MODEL) as srv:
+        (home / "config.toml").write_text(
+            'model = "qwen"\nmodel_provider = "ricordo"\nmodel_context_window = 32768\n\n'
+            '[model_providers.ricordo]\nname = "ricordo"\n'
+            f'base_url = "{srv.base_url}/v1"\nwire_api = "responses"\nenv_key = "RICORDO_API_KEY"\n')
+        env = {"CODEX_HOME": str(home), "RICORDO_API_KEY": "x", "HOME": str(tmp_path)}
+        cmd = [str(codex), "exec", "--json", "--skip-git-repo-check", "-s", "workspace-write"]
+        out = until_round_trip(cmd + [TOOL_ASK], env, work, tmp_path / "trace.log")
+        ran = [e["item"] for e in map(json.loads, filter(str.strip, out.splitlines()))
+               if e.get("type") == "item.completed" and e["item"].get("type") == "command_execution"]
+        assert ran, out[-3000:]
+        assert replayed(tmp_path / "trace.log"), (tmp_path / "trace.log").read_text()[-3000:]
+        assert srv.running()
+
+
+def test_claude_code_tool_call_round_trip(tmp_path):
+    claude_bin = need("claude")
+    work = workdir(tmp_path)
+    home = tmp_path / "claudehome"
+    home.mkdir()
+    with serve(tmp_path, 32768, model=TOOL_MODEL) as srv:
+        env = {"HOME": str(home), "ANTHROPIC_BASE_URL": srv.base_url, "ANTHROPIC_API_KEY": "x"}
+        out = until_round_trip([str(claude_bin), "-p", TOOL_ASK, "--output-format", "stream-json", "--verbose"],
+                               env, work, tmp_path / "trace.log")
+        kinds = []
+        for line in filter(str.strip, out.splitlines()):
+            ev = json.loads(line)
+            if ev.get("type") in ("assistant", "user"):
+                kinds += [c.get("type") for c in ev["message"]["content"] if isinstance(c, dict)]
+        assert "tool_use" in kinds and "tool_result" in kinds[kinds.index("tool_use"):], (kinds, out[-3000:])
+        assert replayed(tmp_path / "trace.log"), (tmp_path / "trace.log").read_text()[-3000:]
+        assert srv.running()
