@@ -176,7 +176,7 @@ ROUND_TRIP_S = 300
 
 
 def replayed(trace: Path) -> bool:
-    return any("tool calls:" in line and " 0 replayed from memory" not in line
+    return trace.exists() and any("tool calls:" in line and " 0 replayed from memory" not in line
                for line in trace.read_text().splitlines())
 
 
