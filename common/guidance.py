@@ -40,19 +40,50 @@ def tokenizer(text: TextModel) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(text)), eos_token=eos)
 
 
-# the opening of a fenced call, up to the quote that opens its name
-FENCE_HEAD = re.compile(r'\s*```(?:json)?[ \t]*\r?\n\s*\{\s*"name"\s*:\s*"')
+# the opening of a call written as JSON at the start of an answer, up to the quote that opens
+# its name: fenced (```json) or bare, as llama.cpp's Hermes parser also takes them
+FENCE_HEAD = re.compile(r'\s*(```(?:json)?[ \t]*\r?\n\s*)?\{\s*"name"\s*:\s*"')
 # the same, piece by piece, to tell a prefix that may still become one: regexes that may
 # match nothing, literals, and optional literals ("?" + text)
-_HEAD_STEPS = (re.compile(r"\s*"), "```", "?json", re.compile(r"[ \t]*"), "?\r", "\n", re.compile(r"\s*"), "{",
-               re.compile(r"\s*"), '"name"', re.compile(r"\s*"), ":", re.compile(r"\s*"), '"')
+_CALL_STEPS = ("{", re.compile(r"\s*"), '"name"', re.compile(r"\s*"), ":", re.compile(r"\s*"), '"')
+_HEAD_STEPS = ((re.compile(r"\s*"), "```", "?json", re.compile(r"[ \t]*"), "?\r", "\n", re.compile(r"\s*")) + _CALL_STEPS,
+               (re.compile(r"\s*"),) + _CALL_STEPS)
+
+
+def _steps_state(s: str, steps) -> int:
+    i = 0
+    for step in steps:
+        rest = s[i:]
+        if not isinstance(step, str):
+            i = step.match(s, i).end()
+            if i == len(s):
+                return 0
+            continue
+        lit = step.lstrip("?")
+        if rest.startswith(lit):
+            i += len(lit)
+        elif lit.startswith(rest):
+            return 0
+        elif not step.startswith("?"):
+            return -1
+    return 1
 
 
 def fence_state(s: str) -> int:
-    """1 when the answer s opens a fenced call (FENCE_HEAD), 0 while it still may, -1 when it
-    cannot."""
+    """1 when the answer s opens a call written as JSON (FENCE_HEAD), 0 while it still may,
+    -1 when it cannot."""
     if FENCE_HEAD.match(s):
         return 1
+    return max(_steps_state(s, steps) for steps in _HEAD_STEPS)
+
+
+def head_grammar(fence: str, text: str) -> str:
+    """The grammar of the call `text` opened (FENCE_HEAD matches it): `fence` (Constraint.fence,
+    which ends with the closing fence) as it is, or, for a bare call, ending at its object."""
+    if FENCE_HEAD.match(text).group(1):
+        return fence
+    first, rest = fence.split("\n", 1)
+    return first[:first.rindex(" ")] + "\n" + rest
     i = 0
     for step in _HEAD_STEPS:
         rest = s[i:]

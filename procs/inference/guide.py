@@ -90,7 +90,7 @@ class Guide:
             text = self.head.decode("latin-1")     # byte offsets = str offsets
             state = guidance.fence_state(text)
             if state == 1:
-                self._start(self.c.fence, self.head[guidance.FENCE_HEAD.match(text).end():])
+                self._start(guidance.head_grammar(self.c.fence, text), self.head[guidance.FENCE_HEAD.match(text).end():])
                 return
             if state < 0:
                 self.head = None

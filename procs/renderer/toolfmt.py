@@ -200,17 +200,21 @@ def scan(f: Format, s: str, i: int) -> tuple[list[tuple[str, str]], int, bool]:
     return [(name, json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args)], end, True
 
 
-_FENCE = re.compile(r"\s*```(?:json)?[ \t]*\r?\n")
+_FENCE = re.compile(r"\s*(```(?:json)?[ \t]*\r?\n)?")
 
 
 def scan_fenced(s: str, names, final: bool = False) -> tuple[list[tuple[str, str]], int, bool]:
-    """The call of a fenced answer (s opens with guidance.FENCE_HEAD): ([(name, arguments)], end,
-    False), the closing fence included when it follows. ValueError when it is not a call of
-    a declared tool; Incomplete while the text may still become one (unless `final`)."""
-    obj, end = json_value(s, _FENCE.match(s).end())
+    """The call of an answer that opens with one written as JSON (s matches guidance.FENCE_HEAD):
+    ([(name, arguments)], end, False), a fenced call's closing fence included when it follows.
+    ValueError when it is not a call of a declared tool; Incomplete while the text may still
+    become one (unless `final`)."""
+    head = _FENCE.match(s)
+    obj, end = json_value(s, head.end())
     name, args = _call_of(obj)
     if name not in names:
         raise ValueError(f"no tool named {name!r}")
+    if not head.group(1):           # bare: the object is the call
+        return [(name, args)], end, False
     rest = s[end:].lstrip()
     if rest.startswith("```"):
         end = s.index("```", end) + 3
@@ -219,5 +223,5 @@ def scan_fenced(s: str, names, final: bool = False) -> tuple[list[tuple[str, str
     return [(name, args)], end, False
 
 
-FENCED_PARTIAL = re.compile(r'\s*```(?:json)?[ \t]*\r?\n\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*'
+FENCED_PARTIAL = re.compile(r'\s*(?:```(?:json)?[ \t]*\r?\n\s*)?\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*'
                             r'"(?:arguments|parameters)"\s*:\s*(.*)\Z', re.S)

@@ -249,3 +249,34 @@ def test_an_answer_that_opens_with_a_fenced_call_is_a_call(text_model):
     for tok in text_model.encode(b'```json\n{\n  "name": "'):
         guide2.advance(tok)
     assert not guide2.matcher.consume_tokens(text_model.encode(b'cat main.py",'))
+
+
+def test_an_answer_that_opens_with_a_bare_json_call_is_a_call(text_model):
+    """The same call without the fence (as llama.cpp's Hermes parser also takes it): the call
+    ends at its object, whatever follows is dropped and the answer is over; JSON that names
+    no declared tool, or text before the object, stays content; under auto the grammar admits
+    only declared names and ends at the object's closing brace."""
+    text = '{"name": "get_weather", "arguments": {"city": "Rome"}} I ran it.'
+    for step in (1, 3, 64):
+        p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather", "get_time"})
+        content, pieces = stream(p, text, step)
+        assert content == "" and p.done
+        assert [c[1:] for c in whole(pieces)] == [("get_weather", '{"city": "Rome"}')]
+    for other in ('{"name": "Alice", "age": 3}', 'Here: {"name": "get_weather", "arguments": {}}'):
+        p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather"})
+        content, pieces = stream(p, other)
+        assert content + p.flush() == other and not pieces and not p.calls
+    p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather"})      # cut by the token limit
+    content, pieces = stream(p, '{"name": "get_weather", "arguments": {"city": "Ro')
+    assert content + p.flush() == "" and [c.name for c in p.cut_pieces() if c.name] == ["get_weather"]
+    c = grammar.build(TOOLS, "auto", None, calls=toolfmt.HERMES)
+    guide = Guides(text_model).start(c)
+    for tok in text_model.encode(b'{"name": "'):
+        guide.advance(tok)
+    assert guide.matcher is not None
+    assert not guide.matcher.consume_tokens(text_model.encode(b'cat main.py",'))
+    guide = Guides(text_model).start(c)
+    for tok in text_model.encode(b'{"name": "'):
+        guide.advance(tok)
+    assert guide.matcher.consume_tokens(text_model.encode(b'get_time", "arguments": {}}'))
+    assert guide.matcher.is_accepting()
