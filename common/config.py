@@ -63,6 +63,13 @@ class Settings:
                         "answers are decoded together, one batched step for all, and new prompts are prefilled "
                         "a chunk at a time between those steps (llama.cpp's --parallel)", ("generate", "renderer", "inference"))
     max_queue: int = opt(64, "requests waiting for the model beyond which new ones get 429", ("renderer",))
+    # sampling of a request that leaves a field out (llama.cpp's flags); greedy by default, so
+    # an answer depends only on the prompt (agents send no temperature: a small model may loop)
+    temp: float = opt(0.0, "temperature of a request that sets none (0 = greedy)", ("web",))
+    top_k: int = opt(0, "top-k of a request that sets none (0 = off)", ("web",))
+    top_p: float = opt(1.0, "top-p of a request that sets none (1 = off)", ("web",))
+    min_p: float = opt(0.0, "min-p of a request that sets none (0 = off)", ("web",))
+    seed: int = opt(-1, "sampling seed of a request that sets none (-1 = a fresh one each request)", ("web",))
     log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
     # disk KV cache (names and defaults of ds4-server, docs/kv-format.md)
     kv_disk_dir: str = opt("", "checkpoint directory; empty disables the disk cache")

@@ -18,7 +18,7 @@ import falcon.asgi
 from common.config import Settings
 from common import metrics
 from common.models import served_model_id
-from procs.frontend import anthropic, responses
+from procs.frontend import anthropic, fields, responses
 from procs.frontend.backend import NOT_ANSWERING, ZmqBackend
 from procs.frontend.completions import Completions
 from procs.frontend.errors import ApiError, install
@@ -117,6 +117,7 @@ class CountRequests:
 def create_app(backend, settings: Settings) -> falcon.asgi.App:
     """The API over `backend` (anything with ZmqBackend's async submit/cancel/health)."""
     model_id = served_model_id(settings.model_id, settings.model)
+    fields.set_defaults(settings)
     middleware = [Lifespan(backend), CountRequests()]
     if settings.api_key:
         middleware.append(Auth(settings.api_key))

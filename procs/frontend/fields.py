@@ -17,6 +17,9 @@ from procs.frontend.errors import ApiError, bad
 UNTIL_FULL = 1 << 30        # no max_tokens: the renderer clamps it to the context left
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")   # tool and schema names, every API
 _I64_MIN, _U64_END = -(1 << 63), 1 << 64
+# what a request that leaves a sampling field out gets: the server's --temp, --top-k, --top-p,
+# --min-p and --seed (set_defaults, once per worker before it serves)
+DEFAULTS = SamplingParams()
 
 
 def json_text(v) -> str:
@@ -86,6 +89,17 @@ def check_model(body: dict, served_id: str, strict: bool) -> None:
                        param="model", code="model_not_found")
 
 
+def set_defaults(settings) -> None:
+    global DEFAULTS
+    d = SamplingParams(temperature=settings.temp, top_k=settings.top_k, top_p=settings.top_p,
+                       min_p=settings.min_p, seed=settings.seed if settings.seed >= 0 else None)
+    try:
+        validate_sampling(d)
+    except ParamError as e:
+        raise SystemExit(f"error: the sampling defaults (--temp, --top-k, --top-p, --min-p): {e}") from None
+    DEFAULTS = d
+
+
 def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int = 0,
              lo: int = 0) -> SamplingParams:
     """The sampling fields the API has (`keys`, among temperature, top_p, top_k, min_p, seed, ignore_eos)
@@ -94,13 +108,13 @@ def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int 
     mt = get_int(body, max_key)
     if mt is not None and mt < lo:
         raise bad(max_key, f"'{max_key}' must be >= {lo}")
-    d = SamplingParams()
+    d = DEFAULTS
     p = SamplingParams(max_tokens=UNTIL_FULL if mt is None else min(mt, UNTIL_FULL),
                        temperature=get_num(body, "temperature", d.temperature) if "temperature" in keys else d.temperature,
                        top_p=get_num(body, "top_p", d.top_p) if "top_p" in keys else d.top_p,
                        top_k=min(get_int(body, "top_k", d.top_k), UNTIL_FULL) if "top_k" in keys else d.top_k,
                        min_p=get_num(body, "min_p", d.min_p) if "min_p" in keys else d.min_p,
-                       seed=get_int(body, "seed") if "seed" in keys else None,
+                       seed=get_int(body, "seed", d.seed) if "seed" in keys else d.seed,
                        ignore_eos=get_bool(body, "ignore_eos") if "ignore_eos" in keys else False,
                        top_logprobs=top_logprobs)
     try:

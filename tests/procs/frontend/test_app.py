@@ -15,7 +15,7 @@ from common.config import Settings
 from common.messages import (Accepted, CancelRequest, Delta, Failed, Finished, GenerateRequest, Health,
                              PingRequest, RendererIn, SamplingParams)
 from common.sockets import RENDERER, address
-from procs.frontend import flow
+from procs.frontend import fields, flow
 from procs.frontend.app import create_app
 from procs.frontend.backend import NOT_ANSWERING, ZmqBackend
 from procs.frontend.fields import UNTIL_FULL
@@ -121,6 +121,29 @@ def test_chat_defaults_and_message_forms():
     assert req.sampling.max_tokens == 9
     r = c.simulate_post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert be.requests[1].sampling.max_tokens == UNTIL_FULL and be.requests[1].tools == ""
+
+
+def test_server_sampling_defaults_fill_what_a_request_leaves_out(monkeypatch):
+    """--temp/--top-k/--top-p/--min-p/--seed (llama.cpp's flags) apply to every API when the
+    request leaves the field out; what a request sets wins; a default no request could carry
+    stops the server at start."""
+    monkeypatch.setattr(fields, "DEFAULTS", fields.DEFAULTS)     # restored after the test
+    be, c = make(temp=0.7, top_k=20, top_p=0.8, min_p=0.05, seed=5)
+    assert c.simulate_post("/v1/chat/completions", json=chat_body()).status_code == 200
+    assert c.simulate_post("/v1/chat/completions", json=chat_body(temperature=0, top_k=3, seed=9)).status_code == 200
+    r = c.simulate_post("/v1/responses", json={"model": MODEL, "input": "hi"})
+    assert r.status_code == 200, r.text
+    r = c.simulate_post("/v1/messages", json={"model": MODEL, "max_tokens": 5, "temperature": 1,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    got = [(q.sampling.temperature, q.sampling.top_k, q.sampling.top_p, q.sampling.min_p, q.sampling.seed)
+           for q in be.requests]
+    assert got == [(0.7, 20, 0.8, 0.05, 5), (0.0, 3, 0.8, 0.05, 9), (0.7, 20, 0.8, 0.05, 5), (1.0, 20, 0.8, 0.05, 5)]
+    be, c = make()
+    assert c.simulate_post("/v1/chat/completions", json=chat_body()).status_code == 200
+    assert (be.requests[0].sampling.temperature, be.requests[0].sampling.seed) == (0.0, None)
+    with pytest.raises(SystemExit, match="top_p"):
+        make(top_p=0)
 
 
 def test_chat_logprobs_whole():
