@@ -39,6 +39,9 @@ class Settings:
     decode_kernels: str = opt("native", "decode on the CPU: a whole step in C kernels built once with this machine's "
                               "gcc (cached under ~/.cache/ricordo/kernels; torch's ops when they cannot be built), "
                               "or torch's ops", ("generate", "inference"), ("native", "torch"))
+    packed_cache_dir: str = opt("", "where the native decoder's packed weights are kept between starts, one file per "
+                                "model file and dtype (default ~/.cache/ricordo/packed; off: none)",
+                                ("generate", "inference"))
     chunk_size: int = opt(512, "prefill chunk size; chunks end at absolute multiples of it", ("generate", "inference"))
     deterministic: bool = opt(False, "answers independent of what was cached: every prefill runs as whole "
                               "chunks and an answer's rows are prefilled again after it is sent (slower short prefills)",
@@ -147,5 +150,11 @@ class Settings:
         return "\n".join(rows) + "\n"
 
     # derived values: computed here so no second place spells them
+    def packed_cache_path(self) -> str:
+        """'' when the packed-weight cache is off."""
+        if self.packed_cache_dir == "off":
+            return ""
+        return self.packed_cache_dir or os.path.join(_default_cache_root(), "packed")
+
     def models_path(self) -> str:
         return self.models_dir or os.path.join(_default_cache_root(), "models")

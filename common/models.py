@@ -151,6 +151,11 @@ def load_text(path: str, template_file: str = "") -> TextModel:
 KV_MEMORY_SHARE = 0.25
 
 
+def trained_of(context: int, layers: int, kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(trained context, K/V bytes per token in f32): what context_size needs of a model."""
+    return context, 2 * 4 * layers * kv_heads * head_dim
+
+
 def _trained(path: str) -> tuple[int, int]:
     """(trained context, K/V bytes per token in f32) from a model's config."""
     if os.path.isdir(path):
@@ -160,8 +165,8 @@ def _trained(path: str) -> tuple[int, int]:
         c = c.get("text_config", c)
         heads = int(c.get("num_attention_heads", 1))
         head_dim = int(c.get("head_dim") or int(c.get("hidden_size", heads)) // heads)
-        return (int(c.get("max_position_embeddings", 4096)),
-                2 * 4 * int(c.get("num_hidden_layers", 1)) * int(c.get("num_key_value_heads", heads)) * head_dim)
+        return trained_of(int(c.get("max_position_embeddings", 4096)), int(c.get("num_hidden_layers", 1)),
+                          int(c.get("num_key_value_heads", heads)), head_dim)
     try:
         g = GGUFFile(path, strings=False)
     except GGUFError as e:
@@ -169,16 +174,17 @@ def _trained(path: str) -> tuple[int, int]:
     p = g.arch() + "."
     heads = int(g.meta.get(p + "attention.head_count", 1))
     head_dim = int(g.meta.get(p + "attention.key_length", int(g.meta.get(p + "embedding_length", heads)) // heads))
-    return (int(g.meta.get(p + "context_length", 4096)),
-            2 * 4 * int(g.meta.get(p + "block_count", 1)) * int(g.meta.get(p + "attention.head_count_kv", heads)) * head_dim)
+    return trained_of(int(g.meta.get(p + "context_length", 4096)), int(g.meta.get(p + "block_count", 1)),
+                      int(g.meta.get(p + "attention.head_count_kv", heads)), head_dim)
 
 
-def context_size(path: str, requested: int, warn: bool = True) -> int:
+def context_size(path: str, requested: int, warn: bool = True, trained: tuple[int, int] | None = None) -> int:
     """The context every process uses: the requested size, or (0) the model's trained context
     capped so its K/V takes at most KV_MEMORY_SHARE of the machine's memory (the same figure
     in every process: total memory, not what is free at the moment). `warn`: say why once
-    (the inference process does; the renderer computes the same number quietly)."""
-    limit, per_token = _trained(path)
+    (the inference process does; the renderer computes the same number quietly). `trained`:
+    trained_of() of the model already loaded, instead of reading its file again."""
+    limit, per_token = trained or _trained(path)
     if requested > 0:
         return cap_context(requested, limit, warn)
     import psutil

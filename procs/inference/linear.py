@@ -70,6 +70,13 @@ class Linear:
             self.sz = scale
             self.kind = "int8"
 
+    @classmethod
+    def of(cls, mat, kernels, dtype) -> "Linear":
+        """The Linear of a quantized native pack made by an earlier load (packcache)."""
+        lin = cls(None, kernels=None, dtype=dtype, packed=False)
+        lin.kernels, lin.mat = kernels, mat
+        return lin
+
     @property
     def w(self) -> torch.Tensor:
         """The dense weight [N, K] in the compute dtype (from the packed copy: valid until the

@@ -23,6 +23,7 @@ from procs.inference.loader import LoadedWeights
 from procs.inference.moe import MoE
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
 from procs.inference.native import MAT_Q4, MAT_Q8
+from procs.inference.packcache import PackCache
 
 
 # Exact mode runs attention on blocks of this many query rows (padded), so that a short
@@ -48,11 +49,13 @@ class Layer(NamedTuple):
 
 
 class Llama:
-    def __init__(self, w: LoadedWeights, max_context: int, packed: bool = True, kernels=None):
+    def __init__(self, w: LoadedWeights, max_context: int, packed: bool = True, kernels=None,
+                 cache: PackCache | None = None):
         """packed: decode reads the packed weight copies; False keeps every decode row on the
         dense weights. kernels: procs/inference/native.Kernels; a model they take decodes in
         one native call per token (native.Decoder), another uses their attention kernel
-        where it takes the head layout. None: torch's ops only."""
+        where it takes the head layout. None: torch's ops only. cache: the native packs
+        from an earlier load (procs/inference/packcache.py), and where this one's go."""
         c = self.cfg = w.config
         t = w.tensors
         self.fingerprint = w.fingerprint
@@ -65,12 +68,20 @@ class Llama:
         self.kernels = kernels if native else None
         self.layers = []
         q4, q8, q8p = w.q4 or {}, w.q8, w.q8_parts or {}
-        self._output_and_embedding(t, q4, q8, q8p, packed, native)
+        cache = cache if native else None
+        self._output_and_embedding(t, q4, q8, q8p, packed, native, cache)
         for i in range(c.n_layers):
             p = f"layers.{i}."
 
             def fused(*names):
-                return fuse([p + n for n in names], t, q4, q8, packed, kernels if native else None, q8p)
+                key = p + "+".join(names)
+                mat = cache.get(key) if cache else None
+                if mat is not None:      # the sources are never read (their loads are lazy)
+                    return Linear.of(mat, kernels, self.dtype)
+                lin = fuse([p + n for n in names], t, q4, q8, packed, kernels if native else None, q8p)
+                if cache and lin.mat.kind in (MAT_Q4, MAT_Q8):   # a dense one is its source as is
+                    cache.put(key, lin.mat)
+                return lin
             bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
             qkn = None
             if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
@@ -96,10 +107,9 @@ class Llama:
             ))
             # the layer's sources are fused copies now: dropped as we go, so a load peaks at
             # one copy of the weights plus one layer, not two copies
-            for name in [n for n in t if n.startswith(p)]:
-                del t[name]
-                q4.pop(name, None)
-                q8p.pop(name, None)
+            for d in (t, q4, q8p):          # del, not pop: a source never read stays unmade
+                for name in [n for n in d if n.startswith(p)]:
+                    del d[name]
         del w.tensors, w.q4, w.q8_parts
         self.act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[c.act]
         self.scale = c.attn_scale or c.head_dim ** -0.5
@@ -120,7 +130,7 @@ class Llama:
         self.ensure_rope(1)
         self.decoder = kernels.decoder(self) if native else None
 
-    def _output_and_embedding(self, t, q4, q8, q8p, packed: bool, native: bool) -> None:
+    def _output_and_embedding(self, t, q4, q8, q8p, packed: bool, native: bool, cache=None) -> None:
         """The output projection and the embedding. Native: the decoder reads the projection
         as int4 or int8 groups when its source is quantized, and then that copy is the only
         one: the embedding's rows come from it too when tied (embed_mat), and no dense copy
@@ -131,12 +141,19 @@ class Llama:
         head = "lm_head" if "lm_head" in t else "embed"
         quantized = (MAT_Q4, MAT_Q8)
         self.head_mat = self.embed_mat = self.head = None
+        def source(name):
+            mat = cache.get(name) if cache else None
+            if mat is None:
+                mat = pack_source(t, name, q4, q8, q8p, packed)
+                if cache and mat.kind in quantized:
+                    cache.put(name, mat)
+            return mat
         if native:
-            self.head_mat = pack_source(t, head, q4, q8, q8p, packed)
+            self.head_mat = source(head)
             if self.head_mat.kind in quantized and head == "embed":
                 self.embed_mat = self.head_mat
             elif packed and head != "embed" and ("embed" in q4 or "embed" in q8):
-                self.embed_mat = pack_source(t, "embed", q4, q8, q8p, packed)
+                self.embed_mat = source("embed")
         self.embed = t["embed"] if self.embed_mat is None else None           # [V, dim]
         if self.head_mat is not None and self.head_mat.kind in quantized:
             self.lm_head = None

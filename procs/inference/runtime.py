@@ -7,10 +7,11 @@ import time
 import torch
 
 from common.config import Settings
-from common.models import context_size, resolve
+from common.models import context_size, resolve, trained_of
 from procs.inference import native
 from procs.inference.loader import load
 from procs.inference.model import Llama
+from procs.inference.packcache import PackCache, cache_file
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
 
@@ -89,9 +90,18 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     t0 = time.perf_counter()
     path = resolve(s.model, s.models_path())
     w = load(path, dtype, device)
-    ctx = context_size(path, s.ctx_size)
+    c = w.config     # a GGUF's fields, as the renderer reads them from the file (an HF dir's may differ)
+    ctx = context_size(path, s.ctx_size, trained=trained_of(c.max_context, c.n_layers, c.n_kv_heads, c.head_dim)
+                       if os.path.isfile(path) else None)
     kernels = native.load() if s.decode_kernels == "native" and device == "cpu" else None
-    model = Llama(w, max(ctx, 1), packed=s.decode_weights == "packed", kernels=kernels)
+    packed = s.decode_weights == "packed"
+    cache = None
+    if kernels is not None and s.packed_cache_path() and os.path.isfile(path):
+        cache = PackCache(cache_file(s.packed_cache_path(), path, dtype, packed))
+    model = Llama(w, max(ctx, 1), packed=packed, kernels=kernels, cache=cache)
     del w
     _trim_heap()
-    return model, ctx, time.perf_counter() - t0
+    secs = time.perf_counter() - t0
+    if cache is not None:    # the first start's one-off write, not counted as load
+        cache.save()
+    return model, ctx, secs
