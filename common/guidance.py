@@ -84,20 +84,4 @@ def head_grammar(fence: str, text: str) -> str:
         return fence
     first, rest = fence.split("\n", 1)
     return first[:first.rindex(" ")] + "\n" + rest
-    i = 0
-    for step in _HEAD_STEPS:
-        rest = s[i:]
-        if not isinstance(step, str):
-            i = step.match(s, i).end()
-            if i == len(s):
-                return 0
-            continue
-        lit = step.lstrip("?")
-        if rest.startswith(lit):
-            i += len(lit)
-        elif lit.startswith(rest):
-            return 0
-        elif not step.startswith("?"):
-            return -1
-    return 1
 
