@@ -244,7 +244,7 @@ def measure_matmul(dtype: torch.dtype, reps: int) -> dict:
 def weight_kind(lin) -> str:
     """What decode reads for one model.Linear: the native copy's kind, or torch's packed one."""
     if lin.mat is not None:
-        return ("f32", "bf16", "int4", "int8")[lin.mat.kind]
+        return ("f32", "bf16", "int4", "int8", "q5")[lin.mat.kind]
     return lin.kind or "dense"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from procs.inference.native import MAT_Q4, MAT_Q8, pack
+from procs.inference.native import QUANTIZED, pack
 
 # Decode (a few rows) is bound by weight bytes read: it reads weight-only packed copies, 4-bit
 # (int4 groups of 32) or 8-bit (int8 rows), 2-4x fewer bytes than bf16 and up to 8x fewer than
@@ -52,7 +52,7 @@ class Linear:
                 q, scale, mn = parts
                 self._w = (q.float() * scale.repeat_interleave(32, 1) + mn.repeat_interleave(32, 1)).to(dtype)
                 self.mat = pack(self._w)
-            if self.mat.kind in (MAT_Q4, MAT_Q8):
+            if self.mat.kind in QUANTIZED:
                 self._w = None
             return
         if not packed or w.device.type != "cpu":

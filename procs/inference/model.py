@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from procs.inference.loader import LoadedWeights
 from procs.inference.moe import MoE
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
-from procs.inference.native import MAT_Q4, MAT_Q8
+from procs.inference.native import QUANTIZED
 from procs.inference.packcache import PackCache
 
 
@@ -79,7 +79,7 @@ class Llama:
                 if mat is not None:      # the sources are never read (their loads are lazy)
                     return Linear.of(mat, kernels, self.dtype)
                 lin = fuse([p + n for n in names], t, q4, q8, packed, kernels if native else None, q8p)
-                if cache and lin.mat.kind in (MAT_Q4, MAT_Q8):   # a dense one is its source as is
+                if cache and lin.mat.kind in QUANTIZED:   # a dense one is its source as is
                     cache.put(key, lin.mat)
                 return lin
             bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
@@ -139,7 +139,7 @@ class Llama:
         gains over a bf16 torch.mv nothing, 13.4 vs 13.5 ms for Gemma's 262144 x 640, but
         halves an f32 one)."""
         head = "lm_head" if "lm_head" in t else "embed"
-        quantized = (MAT_Q4, MAT_Q8)
+        quantized = QUANTIZED
         self.head_mat = self.embed_mat = self.head = None
         def source(name):
             mat = cache.get(name) if cache else None

@@ -39,7 +39,8 @@ FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fPIC", "-shared", "-fno-math-er
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 CC = os.environ.get("CC", "gcc")
 GROUP = 32                                          # kernels.h GROUP
-MAT_F32, MAT_BF16, MAT_Q4, MAT_Q8 = range(4)       # kernels.h Mat kinds
+MAT_F32, MAT_BF16, MAT_Q4, MAT_Q8, MAT_Q5 = range(5)       # kernels.h Mat kinds
+QUANTIZED = (MAT_Q4, MAT_Q8, MAT_Q5)                         # kinds that are the weight's only copy
 ACTS = {"silu": 0, "gelu_tanh": 1}                  # decode.c ACT_*
 
 
@@ -100,7 +101,8 @@ class Packed(NamedTuple):
     s: torch.Tensor | None
 
     def mat(self) -> Mat:
-        n, k = self.w.shape[0], self.w.shape[1] * (2 if self.kind == MAT_Q4 else 1)
+        n, k = self.w.shape[0], self.w.shape[1] * {MAT_Q4: 2, MAT_Q5: 8 / 5}.get(self.kind, 1)
+        k = int(k)
         return Mat(self.kind, n, k, 0, self.w.data_ptr(), 0 if self.s is None else self.s.data_ptr())
 
 
@@ -114,15 +116,29 @@ def f16_fits(x: torch.Tensor) -> bool:
     return x.numel() == 0 or bool(x.abs().amax() <= F16_MAX)
 
 
+def q5_bytes(q: torch.Tensor) -> torch.Tensor:
+    """int8 levels in [-16, 15] [N, K] as kernels.h's Q5 rows: [N, K/2 nibble bytes (Q4's
+    layout) + K/GROUP uint32 of high bits]."""
+    n, k = q.shape
+    u = (q.to(torch.int32) + 16).view(n, k // GROUP, GROUP)
+    nib = (u & 15).to(torch.uint8)
+    qs = (nib[:, :, :16] | (nib[:, :, 16:] << 4)).reshape(n, k // 2)
+    bits = ((u >> 4).to(torch.int64) << torch.arange(GROUP, dtype=torch.int64)).sum(-1)   # [0, 2^32)
+    bits = (bits - ((bits >> 31) << 32)).to(torch.int32)                                  # the same 32 bits
+    return torch.cat([qs, bits.contiguous().view(torch.uint8).view(n, k // GROUP * 4)], dim=1).contiguous()
+
+
 def pack(w: torch.Tensor | None, parts=None, int8: bool = False, q8=None) -> Packed | None:
     """w [N, K] (the dense weight, compute dtype) as decode reads it: int4 groups from a 4-bit
     source's parts (q uint8 [N, K], scale and min f32 [N, K/32]: its own levels; scale and min
     rounded to f16), int8 groups from a Q8_0 source's q8 (int8 [N, K], f16 scales [N, K/32]:
-    the source itself), int8 groups of 32 with an f16 scale when int8 (a requantization of
+    the source itself; 5-bit groups when its levels fit, as a Q5_0 source's do), int8 groups of 32 with an f16 scale when int8 (a requantization of
     w), else w itself (bf16 or f32, no copy). w may be None when parts or q8 are given; then
     None is the answer when they cannot be used."""
     if q8 is not None:
         q, d = q8
+        if q.shape[1] % GROUP == 0 and q.numel() and int(q.min()) >= -16 and int(q.max()) <= 15:
+            return Packed(MAT_Q5, q5_bytes(q), d.to(torch.float16).contiguous())
         return Packed(MAT_Q8, q.contiguous(), d.to(torch.float16).contiguous())
     n, k = w.shape if w is not None else parts[0].shape
     if parts is not None and k % GROUP == 0:

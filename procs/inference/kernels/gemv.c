@@ -1,6 +1,6 @@
 /* Matrix-vector products for decode: one activation row against a weight read once, so the
  * speed is the bytes a weight takes. Weights stay in their packed form (int4 groups with f16
- * scale and min, int8 groups with an f16 scale, or dense bf16/f32) and are widened to f32 in
+ * scale and min, int8 or Q5_0's 5-bit groups with an f16 scale, or dense bf16/f32) and are widened to f32 in
  * registers; activations and sums are f32.
  *
  * Each group's dot product is a vector, scaled by the group's scale into a vector
@@ -55,6 +55,17 @@ static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
     w->v[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
     w->v[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
+static inline void q5_unpack(const uint8_t *q, const uint32_t *qh, int g, W32 *w) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g)));
+    const __m512i m16 = _mm512_set1_epi32(-16), h16 = _mm512_set1_epi32(16);
+    const uint32_t h = qh[g];
+    __m512i lo = _mm512_add_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), m16);
+    __m512i hi = _mm512_add_epi32(_mm512_srli_epi32(b, 4), m16);
+    lo = _mm512_mask_add_epi32(lo, (__mmask16)(h & 0xFFFF), lo, h16);
+    hi = _mm512_mask_add_epi32(hi, (__mmask16)(h >> 16), hi, h16);
+    w->v[0] = _mm512_cvtepi32_ps(lo);
+    w->v[1] = _mm512_cvtepi32_ps(hi);
+}
 static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
     w->v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g))));
     w->v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g + 16))));
@@ -86,6 +97,19 @@ static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
     w->v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4));
     w->v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
 }
+static inline void q5_unpack(const uint8_t *q, const uint32_t *qh, int g, W32 *w) {
+    const __m256i m15 = _mm256_set1_epi32(15), m16 = _mm256_set1_epi32(-16), h16 = _mm256_set1_epi32(16);
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m128i b = _mm_loadu_si128((const __m128i *)(q + 16 * g));
+    __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    __m256i v[4] = {_mm256_and_si256(w0, m15), _mm256_and_si256(w1, m15), _mm256_srli_epi32(w0, 4),
+                    _mm256_srli_epi32(w1, 4)};
+    const uint32_t h = qh[g];
+    for (int i = 0; i < 4; i++) {        /* values 8i..8i+7 take bits 8i..8i+7 */
+        __m256i hb = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(h >> (8 * i))), bit), bit);
+        w->v[i] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(v[i], m16), _mm256_and_si256(hb, h16)));
+    }
+}
 static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
     for (int i = 0; i < 4; i++)
         w->v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 32 * g + 8 * i))));
@@ -112,6 +136,12 @@ static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
     for (int j = 0; j < 16; j++) {
         w->v[j] = (float)(q[16 * g + j] & 15);
         w->v[j + 16] = (float)(q[16 * g + j] >> 4);
+    }
+}
+static inline void q5_unpack(const uint8_t *q, const uint32_t *qh, int g, W32 *w) {
+    for (int j = 0; j < 16; j++) {
+        w->v[j] = (float)((int)((q[16 * g + j] & 15) | ((qh[g] >> j & 1) << 4)) - 16);
+        w->v[j + 16] = (float)((int)((q[16 * g + j] >> 4) | ((qh[g] >> (j + 16) & 1) << 4)) - 16);
     }
 }
 static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
@@ -224,6 +254,26 @@ INLINE void rows_q8(const int8_t *q, const uint16_t *sc, int groups, const float
     for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b]));
 }
 
+/* the same sums as rows_q8 over the same values (a Q5_0 source's levels): bit-identical to
+ * its int8 copy, from 5.5 bits a value instead of 8.5 */
+INLINE void rows_q5(const uint8_t *q, const uint16_t *sc, int groups, const float *x, long ldx, float *y, long ldy,
+                    const int nb) {
+    const uint32_t *qh = (const uint32_t *)(q + groups * 16);
+    V acc[NB][NACC];
+    for (int b = 0; b < nb; b++)
+        for (int a = 0; a < NACC; a++) acc[b][a] = VZERO;
+#define Q5_STEP(G, A)                                                                          \
+    {                                                                                          \
+        W32 w;                                                                                 \
+        q5_unpack(q, qh, G, &w);                                                               \
+        const V s = VSET1(f16_to_f32(sc[G]));                                                  \
+        scale32(&w, s);                                                                        \
+        for (int b = 0; b < nb; b++) acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);      \
+    }
+    GROUP_LOOP(Q5_STEP)
+    for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b]));
+}
+
 /* bf16 (bf16 = 1) or f32 weights: blocks of VW, then a scalar tail */
 INLINE void rows_dense(const void *wr, int bf16, int k, const float *x, long ldx, float *y, long ldy, const int nb) {
     float tail[NB];
@@ -266,6 +316,9 @@ INLINE void row_times(const Mat *m, long r, const float *x, long ldx, const floa
         break;
     case MAT_Q8:
         rows_q8((const int8_t *)m->w + r * k, m->s + r * groups, groups, x, ldx, y, ldy, nb);
+        break;
+    case MAT_Q5:
+        rows_q5((const uint8_t *)m->w + r * Q5_ROW(k), m->s + r * groups, groups, x, ldx, y, ldy, nb);
         break;
     case MAT_BF16:
         rows_dense((const uint16_t *)m->w + r * k, 1, k, x, ldx, y, ldy, nb);
@@ -326,13 +379,22 @@ void mat_vec_one(const Mat *m, const float *x, float *y, float *xs) {
 static void dequant_row(const Mat *m, long r, void *dst, int bf16) {
     const int k = m->k, groups = k / GROUP;
     float row[GROUP];
-    for (int g = 0; g < (m->kind == MAT_Q4 || m->kind == MAT_Q8 ? groups : 0); g++) {
+    for (int g = 0; g < (m->kind == MAT_Q4 || m->kind == MAT_Q8 || m->kind == MAT_Q5 ? groups : 0); g++) {
         if (m->kind == MAT_Q4) {
             const uint8_t *q = (const uint8_t *)m->w + r * (k / 2) + 16 * g;
             const float s = f16_to_f32(m->s[(r * groups + g) * 2]), mn = f16_to_f32(m->s[(r * groups + g) * 2 + 1]);
             for (int j = 0; j < 16; j++) {
                 row[j] = (q[j] & 15) * s + mn;
                 row[j + 16] = (q[j] >> 4) * s + mn;
+            }
+        } else if (m->kind == MAT_Q5) {
+            const uint8_t *q = (const uint8_t *)m->w + r * Q5_ROW(k);
+            const uint32_t h = ((const uint32_t *)(q + k / 2))[g];
+            const float s = f16_to_f32(m->s[r * groups + g]);
+            q += 16 * g;
+            for (int j = 0; j < 16; j++) {
+                row[j] = (float)((int)((q[j] & 15) | ((h >> j & 1) << 4)) - 16) * s;
+                row[j + 16] = (float)((int)((q[j] >> 4) | ((h >> (j + 16) & 1) << 4)) - 16) * s;
             }
         } else {
             const int8_t *q = (const int8_t *)m->w + r * k + GROUP * g;

@@ -6,15 +6,18 @@
 
 /* Matrix kinds. Rows are the output dim (n), each row k values; quantized rows are groups of
  * GROUP values with their own f16 scale (int4 also an f16 min: w = q * scale + min). */
-enum { MAT_F32 = 0, MAT_BF16 = 1, MAT_Q4 = 2, MAT_Q8 = 3 };
+enum { MAT_F32 = 0, MAT_BF16 = 1, MAT_Q4 = 2, MAT_Q8 = 3, MAT_Q5 = 4 };
 #define GROUP 32
+#define Q5_ROW(k) ((long)(k) / 2 + (long)(k) / GROUP * 4)
 
 typedef struct {
     int32_t kind, n, k, pad;
     /* F32/BF16: [n][k]. Q4: uint8 [n][k/2], group g's byte j holds value j (low nibble) and
-     * value j + 16 (high nibble). Q8: int8 [n][k]. */
+     * value j + 16 (high nibble). Q8: int8 [n][k]. Q5 (GGUF's Q5_0 levels, 5.5 bits a value):
+     * row r at r * Q5_ROW(k) bytes, its k/2 nibble bytes laid out as Q4's, then k/GROUP uint32
+     * of high bits (bit j: value j of the group); value = (nibble | high << 4) - 16. */
     const void *w;
-    /* Q4: f16 [n][k/GROUP][2] (scale, min); Q8: f16 [n][k/GROUP] (scale); else unused */
+    /* Q4: f16 [n][k/GROUP][2] (scale, min); Q8, Q5: f16 [n][k/GROUP] (scale); else unused */
     const uint16_t *s;
 } Mat;
 

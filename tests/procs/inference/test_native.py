@@ -172,3 +172,44 @@ def test_packs_past_f16_range_are_refused():
     w[2, 5] = 1e9                                   # scale 1e9/127, past f16
     p = native.pack(w, int8=True)
     assert p.kind == native.MAT_F32 and p.w is not None
+
+
+_Q5_CHECK = r"""
+import sys
+import torch
+from procs.inference import native
+exact = sys.argv[1] == "1"
+k = native.load()
+assert k is not None
+g = torch.Generator().manual_seed(5)
+for n, K in ((896, 896), (33, 96), (7, 64), (130, 4864)):
+    q = torch.randint(-16, 16, (n, K), dtype=torch.int8, generator=g)
+    q[0, :32], q[-1, -32:] = -16, 15                   # both ends of the range
+    d = (torch.rand(n, K // 32, generator=g) * 0.02).to(torch.float16)
+    p5, p8 = native.pack(None, q8=(q, d)), native.Packed(native.MAT_Q8, q, d)
+    assert p5.kind == native.MAT_Q5 and p5.w.numel() == n * K * 5 // 8, (p5.kind, p5.w.shape)
+    x = torch.randn(K, generator=g)
+    y5, y8 = k.mat_vec(p5, x), k.mat_vec(p8, x)
+    assert torch.equal(y5, y8) if exact else torch.allclose(y5, y8, rtol=1e-5, atol=1e-6), (n, K)
+    assert torch.equal(k.rows(p5, torch.float32), q.float() * d.float().repeat_interleave(32, 1))
+    assert torch.equal(k.rows(p5, torch.bfloat16), k.rows(p8, torch.bfloat16))
+wide = torch.randint(-17, 16, (8, 64), dtype=torch.int8, generator=g)
+wide[0, 0] = -17                                       # a Q8_0 level past Q5_0's range
+assert native.pack(None, q8=(wide, torch.ones(8, 2, dtype=torch.float16))).kind == native.MAT_Q8
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"])
+def test_q5_groups_are_the_int8_groups_bit_for_bit(march):
+    """Levels that fit 5 bits (a Q5_0 source's) are kept as 5-bit groups (5.5 bits a value
+    against int8's 8.5): the same values, so every path (AVX-512, AVX2, portable) gives the
+    int8 copy's results, bit for bit on the vector paths (the portable one's compiler may sum
+    the two kinds' loops in different orders: to rounding there); a level past the range
+    keeps int8."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, RICORDO_KERNEL_MARCH=march)
+    p = subprocess.run([sys.executable, "-c", _Q5_CHECK, "0" if march == "x86-64" else "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
