@@ -237,40 +237,27 @@ INLINE void rows_q4(const uint8_t *q, const uint16_t *sm, int groups, const floa
     for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b])) + mins[b];
 }
 
-INLINE void rows_q8(const int8_t *q, const uint16_t *sc, int groups, const float *x, long ldx, float *y, long ldy,
-                    const int nb) {
+/* int8 groups (five = 0), or Q5_0's 5-bit groups (five = 1: the file's nibbles, then a uint32
+ * of high bits per group; the same values as their int8 copy, so bit for bit its sums, from
+ * 5.5 bits a value instead of 8.5) */
+INLINE void rows_q8(const void *q, const uint16_t *sc, int groups, const float *x, long ldx, float *y, long ldy,
+                    const int nb, const int five) {
+    const uint32_t *qh = (const uint32_t *)((const uint8_t *)q + groups * 16);
     V acc[NB][NACC];
     for (int b = 0; b < nb; b++)
         for (int a = 0; a < NACC; a++) acc[b][a] = VZERO;
 #define Q8_STEP(G, A)                                                                          \
     {                                                                                          \
         W32 w;                                                                                 \
-        q8_unpack(q, G, &w);                                                                   \
+        if (five)                                                                              \
+            q5_unpack((const uint8_t *)q, qh, G, &w);                                          \
+        else                                                                                   \
+            q8_unpack((const int8_t *)q, G, &w);                                               \
         const V s = VSET1(f16_to_f32(sc[G]));                                                  \
         scale32(&w, s);                                                                        \
         for (int b = 0; b < nb; b++) acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);      \
     }
     GROUP_LOOP(Q8_STEP)
-    for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b]));
-}
-
-/* the same sums as rows_q8 over the same values (a Q5_0 source's levels): bit-identical to
- * its int8 copy, from 5.5 bits a value instead of 8.5 */
-INLINE void rows_q5(const uint8_t *q, const uint16_t *sc, int groups, const float *x, long ldx, float *y, long ldy,
-                    const int nb) {
-    const uint32_t *qh = (const uint32_t *)(q + groups * 16);
-    V acc[NB][NACC];
-    for (int b = 0; b < nb; b++)
-        for (int a = 0; a < NACC; a++) acc[b][a] = VZERO;
-#define Q5_STEP(G, A)                                                                          \
-    {                                                                                          \
-        W32 w;                                                                                 \
-        q5_unpack(q, qh, G, &w);                                                               \
-        const V s = VSET1(f16_to_f32(sc[G]));                                                  \
-        scale32(&w, s);                                                                        \
-        for (int b = 0; b < nb; b++) acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);      \
-    }
-    GROUP_LOOP(Q5_STEP)
     for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b]));
 }
 
@@ -315,10 +302,10 @@ INLINE void row_times(const Mat *m, long r, const float *x, long ldx, const floa
         rows_q4((const uint8_t *)m->w + r * (k / 2), m->s + r * groups * 2, groups, x, ldx, xs, ldxs, y, ldy, nb);
         break;
     case MAT_Q8:
-        rows_q8((const int8_t *)m->w + r * k, m->s + r * groups, groups, x, ldx, y, ldy, nb);
+        rows_q8((const int8_t *)m->w + r * k, m->s + r * groups, groups, x, ldx, y, ldy, nb, 0);
         break;
     case MAT_Q5:
-        rows_q5((const uint8_t *)m->w + r * Q5_ROW(k), m->s + r * groups, groups, x, ldx, y, ldy, nb);
+        rows_q8((const uint8_t *)m->w + r * Q5_ROW(k), m->s + r * groups, groups, x, ldx, y, ldy, nb, 1);
         break;
     case MAT_BF16:
         rows_dense((const uint16_t *)m->w + r * k, 1, k, x, ldx, y, ldy, nb);
@@ -375,6 +362,8 @@ void mat_vec_one(const Mat *m, const float *x, float *y, float *xs) {
     mat_vec(m, x, xs, y);
 }
 
+_Static_assert(sizeof(W32) == GROUP * sizeof(float), "W32 holds one group's values, in order");
+
 /* Row r of m as the values mat_vec multiplies by, in f32 or (rounded to nearest even) bf16. */
 static void dequant_row(const Mat *m, long r, void *dst, int bf16) {
     const int k = m->k, groups = k / GROUP;
@@ -387,15 +376,13 @@ static void dequant_row(const Mat *m, long r, void *dst, int bf16) {
                 row[j] = (q[j] & 15) * s + mn;
                 row[j + 16] = (q[j] >> 4) * s + mn;
             }
-        } else if (m->kind == MAT_Q5) {
+        } else if (m->kind == MAT_Q5) {      /* every path's W32 holds the group's values in order */
             const uint8_t *q = (const uint8_t *)m->w + r * Q5_ROW(k);
-            const uint32_t h = ((const uint32_t *)(q + k / 2))[g];
             const float s = f16_to_f32(m->s[r * groups + g]);
-            q += 16 * g;
-            for (int j = 0; j < 16; j++) {
-                row[j] = (float)((int)((q[j] & 15) | ((h >> j & 1) << 4)) - 16) * s;
-                row[j + 16] = (float)((int)((q[j] >> 4) | ((h >> (j + 16) & 1) << 4)) - 16) * s;
-            }
+            W32 w;
+            q5_unpack(q, (const uint32_t *)(q + k / 2), g, &w);
+            memcpy(row, &w, sizeof row);
+            for (int j = 0; j < GROUP; j++) row[j] *= s;
         } else {
             const int8_t *q = (const int8_t *)m->w + r * k + GROUP * g;
             const float s = f16_to_f32(m->s[r * groups + g]);
