@@ -118,14 +118,15 @@ def f16_fits(x: torch.Tensor) -> bool:
 
 def q5_bytes(q: torch.Tensor) -> torch.Tensor:
     """int8 levels in [-16, 15] [N, K] as kernels.h's Q5 rows: [N, K/2 nibble bytes (Q4's
-    layout) + K/GROUP uint32 of high bits]."""
+    layout) + K/GROUP uint32 of high bits, little-endian], in uint8 ops throughout."""
     n, k = q.shape
-    u = (q.to(torch.int32) + 16).view(n, k // GROUP, GROUP)
-    nib = (u & 15).to(torch.uint8)
-    qs = (nib[:, :, :16] | (nib[:, :, 16:] << 4)).reshape(n, k // 2)
-    bits = ((u >> 4).to(torch.int64) << torch.arange(GROUP, dtype=torch.int64)).sum(-1)   # [0, 2^32)
-    bits = (bits - ((bits >> 31) << 32)).to(torch.int32)                                  # the same 32 bits
-    return torch.cat([qs, bits.contiguous().view(torch.uint8).view(n, k // GROUP * 4)], dim=1).contiguous()
+    u = (q.view(torch.uint8) + 16).view(n, k // GROUP, GROUP)     # level + 16 in [0, 31] (wraps exactly)
+    qs = ((u[:, :, :16] & 15) | (u[:, :, 16:] << 4)).reshape(n, k // 2)
+    hb = (u >> 4).view(n, k // GROUP, 4, 8)                       # bit j of the group: byte j/8, bit j%8
+    bits = hb[..., 0].clone()
+    for i in range(1, 8):
+        bits |= hb[..., i] << i
+    return torch.cat([qs, bits.view(n, k // GROUP * 4)], dim=1).contiguous()
 
 
 def pack(w: torch.Tensor | None, parts=None, int8: bool = False, q8=None) -> Packed | None:
