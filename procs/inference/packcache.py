@@ -6,7 +6,7 @@ One file per (model file, its size and mtime, compute dtype, packing mode, the s
 modules that make the packs): any change to one of them names another file, so a stale file
 is never read; writing a file removes the others of the same model file name and dtype
 (made by older code, or from an older copy of the model). The file is written once, whole, to a
-temporary name and renamed, so a reader sees a complete file or none. Layout (no pickle):
+temporary name and renamed, so a reader sees a complete file or none. Layout (JSON and raw bytes):
 
     MAGIC | u64 header length | header (JSON) | tensors, each at a multiple of ALIGN
 
