@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from common.config import Settings  # noqa: E402
+from procs.inference import native  # noqa: E402
 from procs.inference.model import Llama  # noqa: E402
 from procs.inference.kvsession import KVSession  # noqa: E402
 from procs.inference.runtime import build  # noqa: E402
@@ -244,7 +245,7 @@ def measure_matmul(dtype: torch.dtype, reps: int) -> dict:
 def weight_kind(lin) -> str:
     """What decode reads for one model.Linear: the native copy's kind, or torch's packed one."""
     if lin.mat is not None:
-        return ("f32", "bf16", "int4", "int8", "q5")[lin.mat.kind]
+        return native.KIND_NAMES[lin.mat.kind]
     return lin.kind or "dense"
 
 

@@ -41,6 +41,7 @@ CC = os.environ.get("CC", "gcc")
 GROUP = 32                                          # kernels.h GROUP
 MAT_F32, MAT_BF16, MAT_Q4, MAT_Q8, MAT_Q5 = range(5)       # kernels.h Mat kinds
 QUANTIZED = (MAT_Q4, MAT_Q8, MAT_Q5)                         # kinds that are the weight's only copy
+KIND_NAMES = ("f32", "bf16", "int4", "int8", "q5")          # by kind, for logs and the bench
 ACTS = {"silu": 0, "gelu_tanh": 1}                  # decode.c ACT_*
 
 
@@ -101,8 +102,8 @@ class Packed(NamedTuple):
     s: torch.Tensor | None
 
     def mat(self) -> Mat:
-        n, k = self.w.shape[0], self.w.shape[1] * {MAT_Q4: 2, MAT_Q5: 8 / 5}.get(self.kind, 1)
-        k = int(k)
+        num, den = {MAT_Q4: (2, 1), MAT_Q5: (8, 5)}.get(self.kind, (1, 1))   # values per stored byte/element
+        n, k = self.w.shape[0], self.w.shape[1] * num // den
         return Mat(self.kind, n, k, 0, self.w.data_ptr(), 0 if self.s is None else self.s.data_ptr())
 
 
@@ -133,8 +134,8 @@ def pack(w: torch.Tensor | None, parts=None, int8: bool = False, q8=None) -> Pac
     """w [N, K] (the dense weight, compute dtype) as decode reads it: int4 groups from a 4-bit
     source's parts (q uint8 [N, K], scale and min f32 [N, K/32]: its own levels; scale and min
     rounded to f16), int8 groups from a Q8_0 source's q8 (int8 [N, K], f16 scales [N, K/32]:
-    the source itself; 5-bit groups when its levels fit, as a Q5_0 source's do), int8 groups of 32 with an f16 scale when int8 (a requantization of
-    w), else w itself (bf16 or f32, no copy). w may be None when parts or q8 are given; then
+    the source itself; 5-bit groups when its levels fit, as a Q5_0 source's do), int8 groups
+    of 32 with an f16 scale when int8 (a requantization of w), else w itself (bf16 or f32, no copy). w may be None when parts or q8 are given; then
     None is the answer when they cannot be used."""
     if q8 is not None:
         q, d = q8

@@ -59,7 +59,7 @@ def explain(s: Settings, model) -> str:
     else:
         why = "auto: this CPU has no native bf16 (its bf16 GEMMs are emulated), so f32"
     if model.decoder is not None:
-        kinds = sorted({("f32", "bf16", "int4", "int8", "q5")[x.mat.kind] for ly in model.layers
+        kinds = sorted({native.KIND_NAMES[x.mat.kind] for ly in model.layers
                         for x in (ly.wqkv, ly.wo, ly.wgu, ly.wd)})
         path = f"decode: one native call per token on {'+'.join(kinds)} weights, f32 activations"
     elif dev == "cpu":
