@@ -77,11 +77,16 @@ def fence_state(s: str) -> int:
     return max(_steps_state(s, steps) for steps in _HEAD_STEPS)
 
 
-def head_grammar(fence: str, text: str) -> str:
-    """The grammar of the call `text` opened (FENCE_HEAD matches it): `fence` (Constraint.fence,
-    which ends with the closing fence) as it is, or, for a bare call, ending at its object."""
-    if FENCE_HEAD.match(text).group(1):
-        return fence
-    first, rest = fence.split("\n", 1)
-    return first[:first.rindex(" ")] + "\n" + rest
+# the first rule of a JSON call's grammar, whose other rules (fc, WS) are Constraint.fence: a
+# fenced call ends with its closing fence, a bare one at its object's brace
+_CALL_START = {True: 'start: fc WS "}" "\\n```"\n', False: 'start: fc WS "}"\n'}
 
+
+def call_grammar(rules: str, fenced: bool) -> str:
+    return _CALL_START[fenced] + rules
+
+
+def head_grammar(rules: str, text: str) -> str:
+    """The grammar of the call `text` opened (FENCE_HEAD matches it), Constraint.fence's rules
+    under the start its form takes."""
+    return call_grammar(rules, bool(FENCE_HEAD.match(text).group(1)))

@@ -139,7 +139,8 @@ def pack(w: torch.Tensor | None, parts=None, int8: bool = False, q8=None) -> Pac
     None is the answer when they cannot be used."""
     if q8 is not None:
         q, d = q8
-        if q.shape[1] % GROUP == 0 and q.numel() and int(q.min()) >= -16 and int(q.max()) <= 15:
+        lo, hi = torch.aminmax(q) if q.numel() else (0, 99)
+        if q.shape[1] % GROUP == 0 and int(lo) >= -16 and int(hi) <= 15:
             return Packed(MAT_Q5, q5_bytes(q), d.to(torch.float16).contiguous())
         return Packed(MAT_Q8, q.contiguous(), d.to(torch.float16).contiguous())
     n, k = w.shape if w is not None else parts[0].shape

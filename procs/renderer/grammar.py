@@ -19,7 +19,7 @@ import json
 import llguidance
 import msgspec
 
-from common import messages as m
+from common import guidance, messages as m
 from procs.renderer.toolfmt import GENERIC, Format
 
 # JSON inside a grammar: one spacing, so a generated call reads as a rendered one
@@ -90,10 +90,11 @@ def names(tools_json: str) -> frozenset[str]:
 
 
 def _fenced(fns) -> str:
-    """A fenced call (toolfmt.FENCE_HEAD) from its name's opening quote on: the name one of
+    """The rules of a call written as JSON (guidance.FENCE_HEAD) from its name's opening quote
+    on, without their start (guidance.call_grammar): the name one of
     the tools', the arguments in the grammar's spacing; the head's spacing is the model's
     own, a few blanks at most (an unbounded run lets a small model write blanks forever)."""
-    rules = "start: fc WS \"}\" \"\\n```\"\nWS: /[ \\t\\n]{0,12}/\nfc: " + \
+    rules = "WS: /[ \\t\\n]{0,12}/\nfc: " + \
         " | ".join(f"h{i}" for i in range(len(fns))) + "\n"
     for i, (name, params, strict) in enumerate(fns):
         rules += f"h{i}: {_lit(json.dumps(name, ensure_ascii=False)[1:] + ',')} WS {_lit(chr(34) + 'arguments' + chr(34) + ': ')} a{i}\n"
@@ -190,6 +191,6 @@ class Checker:
         if err:
             raise GrammarError("response_format" if fmt is not None else "tools",
                                f"the schema cannot be used to constrain the answer: {err.splitlines()[0]}")
-        if c.fence and self.verdict(c.fence):     # the tags are still constrained
+        if c.fence and self.verdict(guidance.call_grammar(c.fence, True)):   # the tags are still constrained
             c = msgspec.structs.replace(c, fence="")
         return c

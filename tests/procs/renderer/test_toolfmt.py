@@ -225,20 +225,26 @@ def test_a_template_that_refuses_a_replayed_call_gets_it_from_json(text_model):
     assert '"id": "' + cid + '"' in prompt                   # the template's own rendering of the call
 
 
-def test_an_answer_that_opens_with_a_fenced_call_is_a_call(text_model):
-    """Small Qwen models answer ```json {"name": ...} ``` instead of the tags: a call of a
-    declared tool, at any split; an undeclared name or other fenced code stays content; under
-    auto the grammar takes over at the name and admits only declared names."""
-    text = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Rome"}\n}\n```'
+def json_call_parses(text: str, others) -> None:
+    """text, at any split, is one call of get_weather that ends the answer; each of others is
+    content, whole."""
     for step in (1, 3, 64):
         p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather", "get_time"})
         content, pieces = stream(p, text, step)
         assert content == "" and p.done
         assert [c[1:] for c in whole(pieces)] == [("get_weather", '{"city": "Rome"}')]
-    for other in ('```json\n{"name": "cat main.py", "arguments": {}}\n```', '```python\nprint(1)\n```'):
+    for other in others:
         p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather"})
         content, pieces = stream(p, other)
         assert content + p.flush() == other and not pieces and not p.calls
+
+
+def test_an_answer_that_opens_with_a_fenced_call_is_a_call(text_model):
+    """Small Qwen models answer ```json {"name": ...} ``` instead of the tags: a call of a
+    declared tool, at any split; an undeclared name or other fenced code stays content; under
+    auto the grammar takes over at the name and admits only declared names."""
+    json_call_parses('```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Rome"}\n}\n```',
+                     ('```json\n{"name": "cat main.py", "arguments": {}}\n```', '```python\nprint(1)\n```'))
     c = grammar.build(TOOLS, "auto", None, calls=toolfmt.HERMES)
     guide = Guides(text_model).start(c)
     for tok in text_model.encode(b'```json\n{\n  "name": "'):
@@ -256,16 +262,8 @@ def test_an_answer_that_opens_with_a_bare_json_call_is_a_call(text_model):
     ends at its object, whatever follows is dropped and the answer is over; JSON that names
     no declared tool, or text before the object, stays content; under auto the grammar admits
     only declared names and ends at the object's closing brace."""
-    text = '{"name": "get_weather", "arguments": {"city": "Rome"}} I ran it.'
-    for step in (1, 3, 64):
-        p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather", "get_time"})
-        content, pieces = stream(p, text, step)
-        assert content == "" and p.done
-        assert [c[1:] for c in whole(pieces)] == [("get_weather", '{"city": "Rome"}')]
-    for other in ('{"name": "Alice", "age": 3}', 'Here: {"name": "get_weather", "arguments": {}}'):
-        p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather"})
-        content, pieces = stream(p, other)
-        assert content + p.flush() == other and not pieces and not p.calls
+    json_call_parses('{"name": "get_weather", "arguments": {"city": "Rome"}} I ran it.',
+                     ('{"name": "Alice", "age": 3}', 'Here: {"name": "get_weather", "arguments": {}}'))
     p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather"})      # cut by the token limit
     content, pieces = stream(p, '{"name": "get_weather", "arguments": {"city": "Ro')
     assert content + p.flush() == "" and [c.name for c in p.cut_pieces() if c.name] == ["get_weather"]
