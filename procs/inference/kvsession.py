@@ -4,9 +4,17 @@ computes them); a session grows its rows as it fills (reserve) and can be trunca
 copied from another session's prefix, exported to and imported from a checkpoint."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from procs.inference.model import Llama
+from procs.inference.native import ATT_CHUNK
+
+# Session contents' versions: a session takes a new one whenever rows below its length may
+# change (truncate below it, copy_prefix, import_), so two versions whose rows were compared
+# equal stay equal; unique across sessions, so a dropped session's never returns.
+_VERSIONS = itertools.count(1)
 
 
 class KVSession:
@@ -37,6 +45,7 @@ class KVSession:
         self.logits: torch.Tensor | None = None   # float32 [V], after the last token
         self.windows = list(c.windows) if c.windows else [0] * c.n_layers   # 0: a global layer
         self.floors = [0] * c.n_layers   # per layer: the first position it holds rows for
+        self.version = next(_VERSIONS)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -82,6 +91,7 @@ class KVSession:
         if not src.can_keep(n):
             raise ValueError(f"cannot keep {n} tokens of the source session")
         self.truncate(0)
+        self.version = next(_VERSIONS)
         self.reserve(n)
         self.k[:, :, :n] = src.k[:, :, :n]
         self.v[:, :, :n] = src.v[:, :, :n]
@@ -165,6 +175,7 @@ class KVSession:
         if k < len(self.tokens):
             del self.tokens[k:]
             self.logits = None
+            self.version = next(_VERSIONS)
 
     def export(self, n: int | None = None):
         """(tokens, K, V) of the first n tokens, copies: K and V are [layers, n, KV, D] for a
@@ -195,6 +206,7 @@ class KVSession:
                 any(not need_l <= r <= n for r, need_l in zip(rows, need)):
             raise ValueError(f"checkpoint rows {rows} for {n} tokens; the model needs {need}")
         self.truncate(0)
+        self.version = next(_VERSIONS)
         self.reserve(n)
         if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):   # all n rows: one copy
             self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
@@ -208,16 +220,72 @@ class KVSession:
         self.logits = None if logits is None else logits.to(self.model.device, torch.float32).clone()
 
 
-def decode_many(sessions: list[KVSession], tokens: list[int]) -> list[torch.Tensor]:
+def _equal_rows(a: KVSession, b: KVSession, n: int) -> int:
+    """How many of the first n rows (whole ATT_CHUNKs) a and b hold bit for bit alike, K and
+    V, every layer and head."""
+    n = n // ATT_CHUNK * ATT_CHUNK
+    if n == 0:
+        return 0
+    bits = torch.int16 if a.k.element_size() == 2 else torch.int32
+    differ = torch.zeros(n, dtype=torch.bool, device=a.k.device)
+    for x, y in ((a.k, b.k), (a.v, b.v)):
+        differ |= x[:, :, :n].view(bits).ne(y[:, :, :n].view(bits)).any(-1).any(1).any(0)
+    first = int(differ.to(torch.int8).argmax()) if bool(differ.any()) else n
+    return first // ATT_CHUNK * ATT_CHUNK
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n                 # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
+class Sharing:
+    """Which sessions of a batch hold the same first rows (compared bit for bit once per pair
+    of session versions), for Decoder.batch's share: such rows are read once a step for
+    every sequence that holds them. Why it is exact: a shared chunk's attention partial is
+    computed from the same bits as each sequence's own copy would give."""
+
+    def __init__(self):
+        self.equal: dict[tuple[int, int], int] = {}
+
+    def plan(self, sessions: list[KVSession]) -> list[tuple[int, int]]:
+        out, seen = [], {}
+        for b, s in enumerate(sessions):
+            best = (b, 0)
+            for a, (lead, _) in enumerate(out):
+                if lead != a:                         # leaders only: one level
+                    continue
+                key = tuple(sorted((sessions[a].version, s.version)))
+                if key not in self.equal:
+                    n = _common(sessions[a].tokens, s.tokens)
+                    self.equal[key] = _equal_rows(sessions[a], s, n) if n >= ATT_CHUNK else 0
+                seen[key] = self.equal[key]
+                if seen[key] > best[1]:
+                    best = (a, seen[key])
+            out.append(best)
+        self.equal = seen                             # forget pairs no longer batched together
+        return out
+
+
+def decode_many(sessions: list[KVSession], tokens: list[int], sharing: Sharing | None = None) -> list[torch.Tensor]:
     """Append tokens[b] to sessions[b] (distinct sessions of one model) in one batched decode
-    step (Llama.decode_batch); returns and keeps each session's new logits."""
+    step (Llama.decode_batch); returns and keeps each session's new logits. sharing: read the
+    rows sessions hold alike once (the native decoder; a bit-identical result either way)."""
     for s in sessions:
         if len(s) + 1 > s.n_ctx:
             raise ValueError(f"{len(s) + 1} tokens exceed the context of {s.n_ctx}")
         s.reserve(len(s) + 1)
     model = sessions[0].model
+    share = sharing.plan(sessions) if sharing is not None and model.decoder is not None and len(sessions) > 1 \
+        else None
     logits = model.decode_batch(tokens, [len(s) for s in sessions], [(s.k, s.v) for s in sessions],
-                                exact=sessions[0].exact)
+                                exact=sessions[0].exact, share=share)
     rows = list(logits)
     for s, t, row in zip(sessions, tokens, rows):
         s.tokens.append(t)

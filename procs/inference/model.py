@@ -269,20 +269,22 @@ class Llama:
         return self._head(x, rows, pad_to)
 
     @torch.inference_mode()
-    def decode_batch(self, ids: list[int], pos: list[int], caches: list, exact: bool = False) -> torch.Tensor:
+    def decode_batch(self, ids: list[int], pos: list[int], caches: list, exact: bool = False,
+                     share=None) -> torch.Tensor:
         """One token for each of B sequences in one step: ids[b] at position pos[b] of the
         sequence whose caches are caches[b] = (kc, vc). Returns float32 logits [B, V]. The
         linears take all B rows at once (one read of each weight); K/V writes and attention
         are per sequence. The native decoder's rows equal single-token forward() bit for bit;
         torch's batched GEMMs may round differently from its one-row ones, so exact (the
         --deterministic promise that an answer does not depend on what else runs) decodes
-        each sequence alone there."""
+        each sequence alone there. share: Decoder.batch's (rows shared between sequences,
+        read once by the native decoder; the other paths ignore it)."""
         B = len(ids)
         if B == 1 or (exact and self.decoder is None):
             return torch.cat([self.forward(torch.tensor([t], device=self.device), p, kc, vc, [0])
                               for t, p, (kc, vc) in zip(ids, pos, caches)])
         if self.decoder is not None:
-            return self.decoder.batch(torch.tensor(ids, device=self.device), pos, caches)
+            return self.decoder.batch(torch.tensor(ids, device=self.device), pos, caches, share)
         c = self.cfg
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
         x = self.embed_rows(torch.tensor(ids, device=self.device))            # [B, dim]

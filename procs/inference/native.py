@@ -39,6 +39,7 @@ FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fPIC", "-shared", "-fno-math-er
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 CC = os.environ.get("CC", "gcc")
 GROUP = 32                                          # kernels.h GROUP
+ATT_CHUNK = 128                                     # kernels.h ATT_CHUNK: attention rows per task
 MAT_F32, MAT_BF16, MAT_Q4, MAT_Q8, MAT_Q5 = range(5)       # kernels.h Mat kinds
 QUANTIZED = (MAT_Q4, MAT_Q8, MAT_Q5)                         # kinds that are the weight's only copy
 KIND_NAMES = ("f32", "bf16", "int4", "int8", "q5")          # by kind, for logs and the bench
@@ -220,7 +221,7 @@ class Decoder:
         self.batch_fn = lib.decode_batch
         self.batch_fn.restype = ctypes.c_int
         self.batch_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_void_p] * 6
+            [ctypes.c_void_p] * 8
         self.batch_size = lib.decode_batch_scratch
         self.batch_size.restype = ctypes.c_long
         self.batch_size.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -262,10 +263,12 @@ class Decoder:
         """One token of one sequence: the batch of one."""
         return self.batch(ids[:1], [pos], [(kc, vc)])
 
-    def batch(self, ids: torch.Tensor, pos: list[int], caches: list) -> torch.Tensor:
+    def batch(self, ids: torch.Tensor, pos: list[int], caches: list, share=None) -> torch.Tensor:
         """B tokens of B sequences in one call: ids [B], pos[b] and caches[b] = (kc, vc) of
         sequence b -> float32 logits [B, V], row b equal (bit for bit) to __call__ on it alone.
-        The weights are read once for all rows (decode.c decode_batch)."""
+        The weights are read once for all rows (decode.c decode_batch). share[b] = (a, n):
+        the first n rows (a multiple of ATT_CHUNK) of b's caches equal a's (a < b) bit for
+        bit, so attention reads them once for both; (b, 0): none."""
         model, B = self.model, len(pos)
         model.ensure_rope(max(pos) + 1)
         for kc, vc in caches:
@@ -282,13 +285,18 @@ class Decoder:
 
         def arr(ctype, values):
             return (ctype * B)(*values)
+        lead = shared = None
+        if share is not None and any(n for _, n in share):
+            if any(n % ATT_CHUNK or (n and not a < b) for b, (a, n) in enumerate(share)):
+                raise ValueError(f"shared prefixes must be whole chunks of {ATT_CHUNK} of an earlier row")
+            lead, shared = arr(ctypes.c_int, [a for a, _ in share]), arr(ctypes.c_int, [n for _, n in share])
         logits = torch.empty(B, self.vocab)
         rc = self.batch_fn(ctypes.byref(self.m), B, x.data_ptr(), arr(ctypes.c_int, pos),
                            arr(ctypes.c_void_p, [kc.data_ptr() for kc, _ in caches]),
                            arr(ctypes.c_void_p, [vc.data_ptr() for _, vc in caches]),
                            arr(ctypes.c_long, [kc.stride(0) for kc, _ in caches]),
                            arr(ctypes.c_long, [kc.stride(1) for kc, _ in caches]),
-                           logits.data_ptr(), self.scratch.data_ptr())
+                           lead, shared, logits.data_ptr(), self.scratch.data_ptr())
         if rc:
             raise ValueError("native decode does not take this model's shapes")
         return logits

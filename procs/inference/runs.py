@@ -136,7 +136,7 @@ class Runs:
         if not going:
             return going
         metrics.M.batch_size.observe(len(going))
-        for run, logits in zip(going, decode_many([r.sess for r in going], tokens)):
+        for run, logits in zip(going, decode_many([r.sess for r in going], tokens, self.sharing)):
             run.logits = logits
             sess = run.sess
             if self.disk.enabled and not sess.exact:   # exact: decode rows are redone at the end

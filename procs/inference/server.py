@@ -26,7 +26,7 @@ from common.trace import Trace
 from common.models import load_text, resolve
 from procs.inference.disk import Disk
 from procs.inference.guide import Guides
-from procs.inference.kvsession import KVSession
+from procs.inference.kvsession import KVSession, Sharing
 from procs.inference.placement import Placement
 from procs.inference.runs import Run, Runs
 from procs.inference.runtime import build, explain
@@ -61,6 +61,7 @@ class Worker(Placement, Runs):
         self.trace = Trace(s.trace, "inference")
         self.disk = Disk(s, self.model, self.n_ctx, run_dir(s), self.send_persister, self.drain, log)
         self.frontiers: dict[int, int] = {}   # sid -> its last continued checkpoint position
+        self.sharing = Sharing()               # rows the batched sessions hold alike
         self.jobs: collections.deque[m.Job] = collections.deque()   # received, not begun
         self.active: dict[str, Run] = {}       # rid -> the job in flight (at most s.batch)
         self.cancelled: set[str] = set()

@@ -18,7 +18,7 @@
 
 #include "kernels.h"
 
-#define CHUNK 128
+#define CHUNK ATT_CHUNK
 #define MAXG 16
 #define MAXD 256
 
@@ -41,39 +41,30 @@ static inline float exp_nonpos(float x) {
     return p * c.f;
 }
 
-/* count elements from offset `from` of a head as f32: bf16 widened (exact), f32 copied. */
-static inline void widen(const void *base, int bf16, long from, long count, float *restrict dst) {
-    if (bf16) {
-        const uint16_t *restrict x = (const uint16_t *)base + from;
-        for (long i = 0; i < count; i++) dst[i] = bf16_to_f32(x[i]);
-    } else {
-        memcpy(dst, (const float *)base + from, sizeof(float) * count);
+/* s[r] = scale * (q . row r of kb) for n rows of D floats */
+static inline void scores(const float *restrict q, const float *restrict kb, const int D, int n, float scale,
+                          float *restrict s) {
+    for (int r = 0; r < n; r++) {
+        const float *restrict kr = kb + r * D;
+        float acc = 0.0f;
+#pragma omp simd reduction(+:acc)
+        for (int d = 0; d < D; d++) acc += q[d] * kr[d];
+        s[r] = acc * scale;
     }
 }
 
-/* One task: G queries against rows [r0, r1) of one K/V head. part: [G][D + 2] = acc, max, sum.
- * The chunk's K rows, then its V rows, are widened to f32 once into buf (L2-resident), then
- * each query streams through them: D is a compile-time constant in the specialized copies
- * below, so a query and its accumulator stay in registers. */
-static inline __attribute__((always_inline)) void task_impl(
-        const float *restrict q, const void *k, const void *v, int bf16, int G, const int D, int r0,
-        int r1, float scale, float *restrict part, float *restrict buf) {
+/* G queries against n rows of one K/V head, already widened to f32 (kb, vb: [n][D]).
+ * part: [G][D + 2] = acc, max, sum. D is a compile-time constant in the specialized copies
+ * below, so a query and its accumulator stay in registers. Every partial, shared chunk or
+ * not, comes from this one function: a chunk's partial depends only on its rows and q. */
+static inline __attribute__((always_inline)) void part_impl(
+        const float *restrict q, const float *restrict kb, const float *restrict vb, int G, const int D,
+        int n, float scale, float *restrict part) {
     float s[MAXG][CHUNK];
-    const int n = r1 - r0;
-    widen(k, bf16, (long)r0 * D, (long)n * D, buf);
-    for (int g = 0; g < G; g++) {
-        const float *restrict qg = q + g * D;
-        for (int r = 0; r < n; r++) {
-            const float *restrict kr = buf + r * D;
-            float acc = 0.0f;
-#pragma omp simd reduction(+:acc)
-            for (int d = 0; d < D; d++) acc += qg[d] * kr[d];
-            s[g][r] = acc * scale;
-        }
-    }
-    widen(v, bf16, (long)r0 * D, (long)n * D, buf);
+    for (int g = 0; g < G; g++) scores(q + g * D, kb, D, n, scale, s[g]);
     for (int g = 0; g < G; g++) {
         float m = -FLT_MAX, l = 0.0f, *restrict p = part + g * (D + 2);
+#pragma omp simd reduction(max:m)
         for (int r = 0; r < n; r++) m = s[g][r] > m ? s[g][r] : m;
 #pragma omp simd reduction(+:l)
         for (int r = 0; r < n; r++) {
@@ -83,7 +74,7 @@ static inline __attribute__((always_inline)) void task_impl(
         float acc[MAXD];
         for (int d = 0; d < D; d++) acc[d] = 0.0f;
         for (int r = 0; r < n; r++) {
-            const float w = s[g][r], *restrict vr = buf + r * D;
+            const float w = s[g][r], *restrict vr = vb + r * D;
 #pragma omp simd
             for (int d = 0; d < D; d++) acc[d] += w * vr[d];
         }
@@ -93,67 +84,115 @@ static inline __attribute__((always_inline)) void task_impl(
     }
 }
 
-#define SPECIALIZE(DIM)                                                                        \
-    static void task_##DIM(const float *q, const void *k, const void *v, int bf16, int G, int r0, \
-                           int r1, float scale, float *part, float *buf) {                     \
-        task_impl(q, k, v, bf16, G, DIM, r0, r1, scale, part, buf);                            \
+#define SPECIALIZE(DIM)                                                                          \
+    static __attribute__((noinline)) void part_##DIM(const float *q, const float *kb, const float *vb, \
+                                                     int G, int n, float scale, float *part) {   \
+        part_impl(q, kb, vb, G, DIM, n, scale, part);                                            \
     }
 SPECIALIZE(64)
 SPECIALIZE(128)
 SPECIALIZE(256)
 
-static void task(const float *q, const void *k, const void *v, int bf16, int G, int D, int r0, int r1,
-                 float scale, float *part) {
-    float buf[CHUNK * MAXD];
+static __attribute__((noinline)) void part_any(const float *q, const float *kb, const float *vb, int G, int D,
+                                               int n, float scale, float *part) {
+    part_impl(q, kb, vb, G, D, n, scale, part);
+}
+
+static void partial(const float *q, const float *kb, const float *vb, int G, int D, int n, float scale,
+                    float *part) {
     switch (D) {
-    case 64: task_64(q, k, v, bf16, G, r0, r1, scale, part, buf); break;
-    case 128: task_128(q, k, v, bf16, G, r0, r1, scale, part, buf); break;
-    case 256: task_256(q, k, v, bf16, G, r0, r1, scale, part, buf); break;
-    default: task_impl(q, k, v, bf16, G, D, r0, r1, scale, part, buf);
+    case 64: part_64(q, kb, vb, G, n, scale, part); break;
+    case 128: part_128(q, kb, vb, G, n, scale, part); break;
+    case 256: part_256(q, kb, vb, G, n, scale, part); break;
+    default: part_any(q, kb, vb, G, D, n, scale, part);
     }
 }
 
-/* q: [KV*G][D] f32; k, v: head h's row r at base + h*head_stride + r*D (elements), S rows;
- * out: [KV*G][D] f32; scratch: at least decode_attention_scratch(KV, G, D, S) floats.
- * bf16: 1 for bfloat16 K/V, 0 for float32. Returns 0, or -1 for shapes past MAXG/MAXD. */
+/* The chunk's K and V rows widened once (L2-resident) for every query that reads them. */
+static _Thread_local float kbuf[CHUNK * MAXD], vbuf[CHUNK * MAXD];
+
 long decode_attention_scratch(int KV, int G, int D, int S) {
     long chunks = (S + CHUNK - 1) / CHUNK;
     return (long)KV * chunks * G * (D + 2);
 }
 
+/* B sequences' single-query attention in one parallel region. Sequence b: queries q [KV*G][D]
+ * f32, head h's row r of K at k + h*head_stride + r*D (elements; likewise V), S rows, out
+ * [KV*G][D]. lead[b] = a < b with shared[b] > 0: the first shared[b] whole chunks of b's rows
+ * are bit for bit a's (the caller has compared them), so they are read once, from a, for
+ * every query of the group; lead[b] = b: none shared. Each sequence's partials are combined
+ * in its own chunk order, so row b is what it gives alone, whatever else runs. scratch: the
+ * sum of decode_attention_scratch over the sequences. Returns 0, or -1 for a shape past
+ * MAXG/MAXD. */
+int decode_attention_many(int B, const float *const *q, const void *const *k, const void *const *v,
+                          const long *head_stride, const int *S, const int *lead, const int *shared, int KV,
+                          int G, int D, float scale, int bf16, float *const *out, float *scratch) {
+    if (G > MAXG || D > MAXD || B < 1) return -1;
+    const long psize = (long)G * (D + 2), esz = bf16 ? 2 : 4;
+    int chunks[B], own[B];
+    long off[B + 1], start[B + 1];   /* partials of b; first task of b */
+    off[0] = start[0] = 0;
+    for (int b = 0; b < B; b++) {
+        if (S[b] <= 0 || lead[b] < 0 || lead[b] > b || (lead[b] != b && lead[lead[b]] != lead[b])) return -1;
+        chunks[b] = (S[b] + CHUNK - 1) / CHUNK;
+        own[b] = lead[b] == b ? 0 : shared[b];    /* chunks b does not read itself */
+        if (own[b] < 0 || (long)own[b] * CHUNK > S[b] || (long)own[b] * CHUNK > S[lead[b]]) return -1;
+        off[b + 1] = off[b] + KV * chunks[b] * psize;
+        start[b + 1] = start[b] + (long)KV * (chunks[b] - own[b]);
+    }
+    /* task t: sequence b, head h, chunk c >= own[b]; a leader's task also serves every member
+     * whose shared chunks include c */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (long t = 0; t < start[B]; t++) {
+        int b = 0;
+        while (t >= start[b + 1]) b++;
+        const int per = chunks[b] - own[b], h = (int)((t - start[b]) / per), c = own[b] + (int)((t - start[b]) % per);
+        const int r0 = c * CHUNK, n = (r0 + CHUNK < S[b] ? r0 + CHUNK : S[b]) - r0;
+        const long first = (h * head_stride[b] + (long)r0 * D) * esz;
+        const char *kp = (const char *)k[b] + first, *vp = (const char *)v[b] + first;
+        if (bf16) {
+            const uint16_t *kx = (const uint16_t *)kp, *vx = (const uint16_t *)vp;
+            for (long i = 0; i < (long)n * D; i++) kbuf[i] = bf16_to_f32(kx[i]);
+            for (long i = 0; i < (long)n * D; i++) vbuf[i] = bf16_to_f32(vx[i]);
+        } else {
+            memcpy(kbuf, kp, sizeof(float) * n * D);
+            memcpy(vbuf, vp, sizeof(float) * n * D);
+        }
+        partial(q[b] + (long)h * G * D, kbuf, vbuf, G, D, n, scale, scratch + off[b] + ((long)h * chunks[b] + c) * psize);
+        if (lead[b] == b)
+            for (int m = b + 1; m < B; m++)
+                if (lead[m] == b && c < own[m])
+                    partial(q[m] + (long)h * G * D, kbuf, vbuf, G, D, n, scale,
+                            scratch + off[m] + ((long)h * chunks[m] + c) * psize);
+    }
+    /* combine the chunks of each (sequence, head, query) in chunk order */
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < (long)B * KV * G; t++) {
+        const int b = (int)(t / (KV * G)), h = (int)(t / G % KV), g = (int)(t % G), nc = chunks[b];
+        const float *base = scratch + off[b] + (long)h * nc * psize + g * (D + 2);
+        float m = -FLT_MAX, l = 0.0f, *o = out[b] + ((long)h * G + g) * D;
+        for (int c = 0; c < nc; c++) m = base[c * psize + D] > m ? base[c * psize + D] : m;
+        memset(o, 0, sizeof(float) * D);
+        for (int c = 0; c < nc; c++) {
+            const float *p = base + c * psize, w = expf(p[D] - m);
+            l += w * p[D + 1];
+            for (int d = 0; d < D; d++) o[d] += w * p[d];
+        }
+        const float inv = 1.0f / l;
+        for (int d = 0; d < D; d++) o[d] *= inv;
+    }
+    return 0;
+}
+
+/* One sequence: q [KV*G][D] f32; k, v: head h's row r at base + h*head_stride + r*D
+ * (elements), S rows; out [KV*G][D] f32; scratch: decode_attention_scratch(KV, G, D, S)
+ * floats. bf16: 1 for bfloat16 K/V, 0 for float32. Returns 0, or -1 for shapes past
+ * MAXG/MAXD. */
 int decode_attention(const float *q, const void *k, const void *v, long head_stride, int KV, int G,
                      int D, int S, float scale, int bf16, float *out, float *scratch) {
-    if (G > MAXG || D > MAXD || S <= 0) return -1;
-    int chunks = (S + CHUNK - 1) / CHUNK;
-    long tasks = (long)KV * chunks, psize = (long)G * (D + 2);
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < tasks; t++) {
-        int h = (int)(t / chunks), c = (int)(t % chunks);
-        int r0 = c * CHUNK, r1 = r0 + CHUNK < S ? r0 + CHUNK : S;
-        const float *qh = q + (long)h * G * D;
-        float *part = scratch + t * psize;
-        long off = h * head_stride * (bf16 ? 2 : 4);
-        task(qh, (const char *)k + off, (const char *)v + off, bf16, G, D, r0, r1, scale, part);
-    }
-    /* combine the chunks of each (head, query) in chunk order */
-    for (int h = 0; h < KV; h++)
-        for (int g = 0; g < G; g++) {
-            float m = -FLT_MAX, l = 0.0f, *o = out + ((long)h * G + g) * D;
-            for (int c = 0; c < chunks; c++) {
-                float pm = scratch[((long)h * chunks + c) * psize + g * (D + 2) + D];
-                m = pm > m ? pm : m;
-            }
-            memset(o, 0, sizeof(float) * D);
-            for (int c = 0; c < chunks; c++) {
-                const float *p = scratch + ((long)h * chunks + c) * psize + g * (D + 2);
-                float w = expf(p[D] - m);
-                l += w * p[D + 1];
-                for (int d = 0; d < D; d++) o[d] += w * p[d];
-            }
-            float inv = 1.0f / l;
-            for (int d = 0; d < D; d++) o[d] *= inv;
-        }
-    return 0;
+    const int none = 0, self = 0;
+    return decode_attention_many(1, &q, &k, &v, &head_stride, &S, &self, &none, KV, G, D, scale, bf16, &out,
+                                 scratch);
 }
 
 /* Whether a model's grouping (query heads per K/V head) and head dim fit the task buffers. */

@@ -93,23 +93,32 @@ static long row_floats(const ModelW *m) {
 }
 
 long decode_batch_scratch(const ModelW *m, int B, int S) {
-    return B * row_floats(m) + decode_attention_scratch(m->KV, m->H / m->KV, m->D, S);
+    return B * (row_floats(m) + decode_attention_scratch(m->KV, m->H / m->KV, m->D, S));
 }
 
 /* B tokens of B sequences, one step: x [B][dim] holds their embedding rows (scaled as the
  * model scales them; overwritten); sequence b is at position pos[b] with its own caches:
  * the K/V of layer l, head h, position p is at kc[b] + l*layer_stride[b] + h*head_stride[b]
  * + p*D (elements of the cache dtype). The linears read each weight once for all B rows
- * (mat_mul); RoPE, the K/V write and attention are per sequence. Writes logits [B][V] (row
- * b is what a batch of that sequence alone gives, bit for bit); returns 0, or -1 for a
- * shape the kernels do not take. scratch: decode_batch_scratch(m, B, max pos + 1) floats. */
+ * (mat_mul); RoPE and the K/V write are per sequence, attention one call for all of them.
+ * lead[b], shared[b] (NULL: nothing shared): the first shared[b] rows of sequence b are bit
+ * for bit those of sequence lead[b] < b in every layer (a multiple of attention.c's chunk);
+ * a layer whose keys all start at row 0 for both reads them once for both. Writes logits
+ * [B][V] (row b is what a batch of that sequence alone gives, bit for bit); returns 0, or -1
+ * for a shape the kernels do not take. scratch: decode_batch_scratch(m, B, max pos + 1)
+ * floats. */
 int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *kc, void *const *vc,
-                 const long *layer_stride, const long *head_stride, float *logits, float *scratch) {
+                 const long *layer_stride, const long *head_stride, const int *lead, const int *shared,
+                 float *logits, float *scratch) {
     const int dim = m->dim, H = m->H, KV = m->KV, D = m->D, ffn = m->ffn, esz = m->kv_bf16 ? 2 : 4;
     if (D > 512 || H % KV || B < 1) return -1;
     const int QKV = (H + 2 * KV) * D, wide = imax(imax(dim, QKV), 2 * ffn), XS = wide / GROUP + 1;
     float *h = scratch, *o = h + (long)B * dim, *qkv = o + (long)B * dim, *att = qkv + (long)B * QKV;
     float *gu = att + (long)B * H * D, *xs = gu + (long)B * 2 * ffn, *att_scratch = xs + (long)B * XS;
+    const float *qs[B];
+    const void *ks_[B], *vs_[B];
+    float *outs[B];
+    int rows[B], ld[B], sh[B];
     for (int l = 0; l < m->n_layers; l++) {
         const LayerW *L = m->layers + l;
         for (int b = 0; b < B; b++) {
@@ -131,12 +140,24 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
                 store_rows(kc[b], m->kv_bf16, base + i * hs + (long)pos[b] * D, k + i * D, D);
                 store_rows(vc[b], m->kv_bf16, base + i * hs + (long)pos[b] * D, v + i * D, D);
             }
-            const int ks = L->window ? imax(0, pos[b] - L->window + 1) : 0;
-            const long first = (base + (long)ks * D) * esz;
-            if (decode_attention(q, (const char *)kc[b] + first, (const char *)vc[b] + first, hs, KV, H / KV, D,
-                                 pos[b] + 1 - ks, m->scale, m->kv_bf16, att + (long)b * H * D, att_scratch))
-                return -1;
+            const int first = L->window ? imax(0, pos[b] - L->window + 1) : 0;
+            const long at = (base + (long)first * D) * esz;
+            qs[b] = q;
+            ks_[b] = (const char *)kc[b] + at;
+            vs_[b] = (const char *)vc[b] + at;
+            outs[b] = att + (long)b * H * D;
+            rows[b] = pos[b] + 1 - first;
+            ld[b] = b;
+            sh[b] = 0;
+            /* shared rows count only where both sequences' keys start at row 0 */
+            if (lead && lead[b] != b && first == 0 && rows[lead[b]] == pos[lead[b]] + 1) {
+                ld[b] = lead[b];
+                sh[b] = shared[b] / ATT_CHUNK;
+            }
         }
+        if (decode_attention_many(B, qs, ks_, vs_, head_stride, rows, ld, sh, KV, H / KV, D, m->scale, m->kv_bf16,
+                                  outs, att_scratch))
+            return -1;
         residual(&L->wo, B, att, H * D, H * D, L->post_attn_norm, m->eps, dim, x, dim, o, xs, XS);
         for (int b = 0; b < B; b++) {
             rms_norm(x + (long)b * dim, L->ffn_norm, m->eps, dim, h + (long)b * dim);

@@ -8,6 +8,7 @@
  * GROUP values with their own f16 scale (int4 also an f16 min: w = q * scale + min). */
 enum { MAT_F32 = 0, MAT_BF16 = 1, MAT_Q4 = 2, MAT_Q8 = 3, MAT_Q5 = 4 };
 #define GROUP 32
+#define ATT_CHUNK 128   /* attention.c's rows per task: shared prefixes are whole chunks */
 #define Q5_ROW(k) ((long)(k) / 2 + (long)(k) / GROUP * 4)
 
 typedef struct {
@@ -31,6 +32,9 @@ void mat_mul(const Mat *m, int B, const float *x, long ldx, const float *xs, lon
 int decode_attention(const float *q, const void *k, const void *v, long head_stride, int KV, int G,
                      int D, int S, float scale, int bf16, float *out, float *scratch);
 long decode_attention_scratch(int KV, int G, int D, int S);
+int decode_attention_many(int B, const float *const *q, const void *const *k, const void *const *v,
+                          const long *head_stride, const int *S, const int *lead, const int *shared, int KV,
+                          int G, int D, float scale, int bf16, float *const *out, float *scratch);
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } c;
