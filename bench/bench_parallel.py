@@ -16,7 +16,11 @@ conversations are resident:
   resident) and the tokens reported cached;
 - the inference process's peak RSS, against its RSS after the first turns plus the K/V budget.
 
-    .venv/bin/python bench/bench_parallel.py [--conversations 4] [--turns 4] [--json]
+    .venv/bin/python bench/bench_parallel.py [--conversations 4] [--turns 4] [--shared-system] [--json]
+
+--shared-system gives every conversation the same system prompt, as one agent's sessions
+have (their own first task and turns after it): their sessions start from copies of its rows,
+and the batched decode step reads those rows once for all of them.
 """
 from __future__ import annotations
 
@@ -81,6 +85,9 @@ def phase(srv: Server, trace: Path, seeds: list[int], args) -> dict:
     convs = []
     for seed in seeds:
         system, users = conversation(seed, args.system_words, args.turn_words, args.turns)
+        if args.shared_system:     # one agent's sessions: its system prompt, their own tasks
+            system = conversation(0, args.system_words, args.turn_words, 1)[0]
+            users[0] = f"Explain in detail what the module src/part{seed}.py does and how to test it."
         convs.append({"messages": [{"role": "system", "content": system}], "users": users, "turns": []})
 
     def run_turns(c, turns):
@@ -122,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--turn-words", type=int, default=140)
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--shared-system", action="store_true",
+                    help="every conversation has the same system prompt (one agent's sessions); their "
+                         "batched decode then reads its rows once a step")
     ap.add_argument("--kv-ram-mb", type=int, default=1024, help="the K/V budget of resident sessions")
     ap.add_argument("--trace", default="", help="keep the cache trace in this file")
     ap.add_argument("--json", action="store_true")
@@ -144,7 +154,7 @@ def main(argv=None) -> int:
             many = phase(srv, trace, [2000 + i for i in range(n)], args)
             peak.stop.set()
             info = srv.http().get("/health").json()
-    res = {"cpu": cpu_name(), "dtype": info.get("dtype"), "model": info.get("model"), "alone": alone, "many": many,
+    res = {"cpu": cpu_name(), "shared_system": args.shared_system, "dtype": info.get("dtype"), "model": info.get("model"), "alone": alone, "many": many,
            "aggregate_ratio": many["aggregate_tok_s"] / alone["aggregate_tok_s"],
            "ttft_ratio": many["ttft_p50_s"] / alone["ttft_p50_s"],
            "peak_rss_mib": peak.peak / 2**20, "rss_after_load_mib": base / 2**20, "kv_budget_mib": args.kv_ram_mb}
@@ -156,7 +166,8 @@ def main(argv=None) -> int:
             ("restores from disk", str(alone["disk_restores"]), str(many["disk_restores"]), ""),
             ("least cached share", f"{alone['cached_share_min']:.3f}", f"{many['cached_share_min']:.3f}", "")]
     txt = "\n".join([f"CPU: {res['cpu']}; dtype {res['dtype']}; model {res['model']}; first prompts "
-                     f"~{many['first_prompt_tokens']:.0f} tokens; {args.turns - 1} later turns each, "
+                     f"~{many['first_prompt_tokens']:.0f} tokens"
+                     f"{' (one system prompt)' if args.shared_system else ''}; {args.turns - 1} later turns each, "
                      f"{args.answer_tokens} answer tokens", ""] +
                     [f"| {' | '.join(r)} |" for r in rows[:1]] + ["|---|---|---|---|"] +
                     [f"| {' | '.join(r)} |" for r in rows[1:]] +

@@ -54,6 +54,9 @@ class Metrics:
                                  multiprocess_mode="livesum")
         self.batch_size = Histogram("ricordo_decode_batch_size", "sequences advanced by one decode step",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
+        self.shared_rows = Counter("ricordo_decode_shared_rows",
+                                   "K/V rows a batched decode step read once for two sequences or more "
+                                   "(each sharing sequence's rows counted once a step)")
         self.live_sessions = Gauge("ricordo_live_sessions", "KV sessions resident in memory",
                                    multiprocess_mode="livesum")
         self.resident_bytes = Gauge("ricordo_resident_kv_bytes", "K/V bytes of the resident sessions",

@@ -11,9 +11,10 @@ import torch
 from procs.inference.model import Llama
 from procs.inference.native import ATT_CHUNK
 
-# Session contents' versions: a session takes a new one whenever rows below its length may
-# change (truncate below it, copy_prefix, import_), so two versions whose rows were compared
-# equal stay equal; unique across sessions, so a dropped session's never returns.
+# Session contents' versions: a session takes a new one when it is rebuilt (copy_prefix,
+# import_); in between, rows change only past a truncation (KVSession.cuts), so rows of two
+# versions compared equal stay equal below every later cut. Unique across sessions, so a
+# dropped session's version never returns.
 _VERSIONS = itertools.count(1)
 
 
@@ -46,6 +47,7 @@ class KVSession:
         self.windows = list(c.windows) if c.windows else [0] * c.n_layers   # 0: a global layer
         self.floors = [0] * c.n_layers   # per layer: the first position it holds rows for
         self.version = next(_VERSIONS)
+        self.cuts: list[int] = []        # lengths truncated to, in order, since the version began
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -91,7 +93,7 @@ class KVSession:
         if not src.can_keep(n):
             raise ValueError(f"cannot keep {n} tokens of the source session")
         self.truncate(0)
-        self.version = next(_VERSIONS)
+        self.version, self.cuts = next(_VERSIONS), []
         self.reserve(n)
         self.k[:, :, :n] = src.k[:, :, :n]
         self.v[:, :, :n] = src.v[:, :, :n]
@@ -175,7 +177,7 @@ class KVSession:
         if k < len(self.tokens):
             del self.tokens[k:]
             self.logits = None
-            self.version = next(_VERSIONS)
+            self.cuts.append(k)
 
     def export(self, n: int | None = None):
         """(tokens, K, V) of the first n tokens, copies: K and V are [layers, n, KV, D] for a
@@ -206,7 +208,7 @@ class KVSession:
                 any(not need_l <= r <= n for r, need_l in zip(rows, need)):
             raise ValueError(f"checkpoint rows {rows} for {n} tokens; the model needs {need}")
         self.truncate(0)
-        self.version = next(_VERSIONS)
+        self.version, self.cuts = next(_VERSIONS), []
         self.reserve(n)
         if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):   # all n rows: one copy
             self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
@@ -227,11 +229,13 @@ def _equal_rows(a: KVSession, b: KVSession, n: int) -> int:
     if n == 0:
         return 0
     bits = torch.int16 if a.k.element_size() == 2 else torch.int32
+    pairs = [(x[:, :, :n].view(bits), y[:, :, :n].view(bits)) for x, y in ((a.k, b.k), (a.v, b.v))]
+    if all(torch.equal(x, y) for x, y in pairs):      # the usual case (copies): one pass
+        return n
     differ = torch.zeros(n, dtype=torch.bool, device=a.k.device)
-    for x, y in ((a.k, b.k), (a.v, b.v)):
-        differ |= x[:, :, :n].view(bits).ne(y[:, :, :n].view(bits)).any(-1).any(1).any(0)
-    first = int(differ.to(torch.int8).argmax()) if bool(differ.any()) else n
-    return first // ATT_CHUNK * ATT_CHUNK
+    for x, y in pairs:
+        differ |= x.ne(y).any(-1).any(1).any(0)
+    return int(differ.to(torch.int8).argmax()) // ATT_CHUNK * ATT_CHUNK
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -247,27 +251,38 @@ def _common(a: list[int], b: list[int]) -> int:
 
 class Sharing:
     """Which sessions of a batch hold the same first rows (compared bit for bit once per pair
-    of session versions), for Decoder.batch's share: such rows are read once a step for
-    every sequence that holds them. Why it is exact: a shared chunk's attention partial is
-    computed from the same bits as each sequence's own copy would give."""
+    of session versions, and again only after a cut below what was found), for
+    Decoder.batch's share: such rows are read once a step for every sequence that holds
+    them. Why it is exact: a shared chunk's attention partial is computed from the same bits
+    as each sequence's own copy would give."""
 
     def __init__(self):
-        self.equal: dict[tuple[int, int], int] = {}
+        # (version, version) -> (equal rows, how many cuts each session had then)
+        self.equal: dict[tuple[int, int], tuple[int, dict[int, int]]] = {}
+        self.rows = 0          # rows read once for several sequences, every step so far
+
+    def _rows(self, a: KVSession, b: KVSession, seen: dict) -> int:
+        key = (min(a.version, b.version), max(a.version, b.version))
+        got = self.equal.get(key)
+        if got is not None:
+            n, ncuts = got
+            if all(c >= n for s in (a, b) for c in s.cuts[ncuts[s.version]:]):
+                seen[key] = got
+                return n
+        common = _common(a.tokens, b.tokens)
+        n = _equal_rows(a, b, common) if common >= ATT_CHUNK else 0
+        seen[key] = (n, {a.version: len(a.cuts), b.version: len(b.cuts)})
+        return n
 
     def plan(self, sessions: list[KVSession]) -> list[tuple[int, int]]:
         out, seen = [], {}
         for b, s in enumerate(sessions):
             best = (b, 0)
             for a, (lead, _) in enumerate(out):
-                if lead != a:                         # leaders only: one level
-                    continue
-                key = tuple(sorted((sessions[a].version, s.version)))
-                if key not in self.equal:
-                    n = _common(sessions[a].tokens, s.tokens)
-                    self.equal[key] = _equal_rows(sessions[a], s, n) if n >= ATT_CHUNK else 0
-                seen[key] = self.equal[key]
-                if seen[key] > best[1]:
-                    best = (a, seen[key])
+                if lead == a:                         # leaders only: one level
+                    n = self._rows(sessions[a], s, seen)
+                    if n > best[1]:
+                        best = (a, n)
             out.append(best)
         self.equal = seen                             # forget pairs no longer batched together
         return out
@@ -284,6 +299,8 @@ def decode_many(sessions: list[KVSession], tokens: list[int], sharing: Sharing |
     model = sessions[0].model
     share = sharing.plan(sessions) if sharing is not None and model.decoder is not None and len(sessions) > 1 \
         else None
+    if share:
+        sharing.rows += sum(n for _, n in share)
     logits = model.decode_batch(tokens, [len(s) for s in sessions], [(s.k, s.v) for s in sessions],
                                 exact=sessions[0].exact, share=share)
     rows = list(logits)

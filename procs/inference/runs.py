@@ -136,7 +136,10 @@ class Runs:
         if not going:
             return going
         metrics.M.batch_size.observe(len(going))
-        for run, logits in zip(going, decode_many([r.sess for r in going], tokens, self.sharing)):
+        shared = self.sharing.rows
+        rows = decode_many([r.sess for r in going], tokens, self.sharing)
+        metrics.M.shared_rows.inc(self.sharing.rows - shared)
+        for run, logits in zip(going, rows):
             run.logits = logits
             sess = run.sess
             if self.disk.enabled and not sess.exact:   # exact: decode rows are redone at the end

@@ -21,6 +21,10 @@ from .server import Server
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ("Name three rivers of Italy.", "How does a bicycle brake work?", "Write a haiku about the sea.")
+SHARED = re.compile(r'^ricordo_decode_shared_rows_total (\S+)$', re.M)
+# a system prompt of several whole attention chunks (128 rows each)
+SYSTEM = "You answer questions for a bicycle shop. " + " ".join(
+    f"Rule {i}: when asked about part {i}, say what it does in plain words." for i in range(40))
 BATCH = re.compile(r'^ricordo_decode_batch_size_bucket\{le="([0-9.+Inf]+)"\} (\S+)$', re.M)
 
 
@@ -67,6 +71,27 @@ def test_answers_together_equal_answers_alone(tmp_path):
     # steps that advanced more than one answer (the +Inf bucket counts every step)
     wide = lambda h: float(h.get("+Inf", 0)) - float(h.get("1.0", 0))   # noqa: E731
     assert wide(after) > wide(before), (before, after)
+
+
+def test_conversations_on_one_system_prompt_read_it_once_and_answer_as_alone(tmp_path):
+    """Three conversations on one system prompt (the later two start from a copy of the
+    first's rows), answered alone and then together: together, the decode steps read the
+    prompt's rows once for all of them (the shared-rows counter grows) and every answer is
+    the one it got alone, bit-exact decode (--deterministic) included."""
+    env = {"RICORDO_DETERMINISTIC": "1", "RICORDO_PARALLEL": "3"}
+
+    def ask_shop(q: str) -> str:
+        r = srv.client().chat.completions.create(
+            model="x", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+            max_tokens=24, temperature=0)
+        return r.choices[0].message.content
+    with Server(env=env, name="ricordo-shared-rows") as srv:
+        alone = [ask_shop(q) for q in QUESTIONS]
+        before = float(SHARED.search(srv.http().get("/metrics").text).group(1))
+        both = together(ask_shop, list(QUESTIONS))
+        after = float(SHARED.search(srv.http().get("/metrics").text).group(1))
+    assert both == alone and all(alone)
+    assert after - before >= 256, (before, after)     # whole chunks, at least one step of two
 
 
 def test_a_long_prompt_is_prefilled_between_the_steps_of_a_streaming_answer(tmp_path):

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 
 #include "kernels.h"
 
@@ -116,6 +117,22 @@ long decode_attention_scratch(int KV, int G, int D, int S) {
     return (long)KV * chunks * G * (D + 2);
 }
 
+/* Task t of decode_attention_many: sequence b, head h, chunk c of n rows at kp, vp. */
+static inline void locate(long t, int B, const long *start, const int *chunks, const int *own, const int *S,
+                          const long *head_stride, const void *const *k, const void *const *v, int D, long esz,
+                          int *b, int *h, int *c, int *n, const char **kp, const char **vp) {
+    int i = 0;
+    while (i + 1 < B && t >= start[i + 1]) i++;
+    const int per = chunks[i] - own[i], r0 = (own[i] + (int)((t - start[i]) % per)) * CHUNK;
+    *b = i;
+    *h = (int)((t - start[i]) / per);
+    *c = r0 / CHUNK;
+    *n = (r0 + CHUNK < S[i] ? r0 + CHUNK : S[i]) - r0;
+    const long first = (*h * head_stride[i] + (long)r0 * D) * esz;
+    *kp = (const char *)k[i] + first;
+    *vp = (const char *)v[i] + first;
+}
+
 /* B sequences' single-query attention in one parallel region. Sequence b: queries q [KV*G][D]
  * f32, head h's row r of K at k + h*head_stride + r*D (elements; likewise V), S rows, out
  * [KV*G][D]. lead[b] = a < b with shared[b] > 0: the first shared[b] whole chunks of b's rows
@@ -141,29 +158,41 @@ int decode_attention_many(int B, const float *const *q, const void *const *k, co
         start[b + 1] = start[b] + (long)KV * (chunks[b] - own[b]);
     }
     /* task t: sequence b, head h, chunk c >= own[b]; a leader's task also serves every member
-     * whose shared chunks include c */
-#pragma omp parallel for schedule(dynamic, 1)
-    for (long t = 0; t < start[B]; t++) {
-        int b = 0;
-        while (t >= start[b + 1]) b++;
-        const int per = chunks[b] - own[b], h = (int)((t - start[b]) / per), c = own[b] + (int)((t - start[b]) % per);
-        const int r0 = c * CHUNK, n = (r0 + CHUNK < S[b] ? r0 + CHUNK : S[b]) - r0;
-        const long first = (h * head_stride[b] + (long)r0 * D) * esz;
-        const char *kp = (const char *)k[b] + first, *vp = (const char *)v[b] + first;
-        if (bf16) {
-            const uint16_t *kx = (const uint16_t *)kp, *vx = (const uint16_t *)vp;
-            for (long i = 0; i < (long)n * D; i++) kbuf[i] = bf16_to_f32(kx[i]);
-            for (long i = 0; i < (long)n * D; i++) vbuf[i] = bf16_to_f32(vx[i]);
-        } else {
-            memcpy(kbuf, kp, sizeof(float) * n * D);
-            memcpy(vbuf, vp, sizeof(float) * n * D);
+     * whose shared chunks include c. Tasks go round-robin: a thread's next task is nthreads
+     * on, and its rows are prefetched (to L2) while this one computes, so the K/V reads
+     * overlap the partials' arithmetic. */
+#pragma omp parallel
+    {
+        const long step = omp_get_num_threads();
+#pragma omp for schedule(static, 1)
+        for (long t = 0; t < start[B]; t++) {
+            const char *kp, *vp;
+            int b, h, c, n;
+            locate(t, B, start, chunks, own, S, head_stride, k, v, D, esz, &b, &h, &c, &n, &kp, &vp);
+            if (t + step < start[B]) {
+                const char *kn, *vn;
+                int b2, h2, c2, n2;
+                locate(t + step, B, start, chunks, own, S, head_stride, k, v, D, esz, &b2, &h2, &c2, &n2, &kn, &vn);
+                for (long i = 0; i < (long)n2 * D * esz; i += 64) {
+                    __builtin_prefetch(kn + i, 0, 2);
+                    __builtin_prefetch(vn + i, 0, 2);
+                }
+            }
+            if (bf16) {
+                const uint16_t *kx = (const uint16_t *)kp, *vx = (const uint16_t *)vp;
+                for (long i = 0; i < (long)n * D; i++) kbuf[i] = bf16_to_f32(kx[i]);
+                for (long i = 0; i < (long)n * D; i++) vbuf[i] = bf16_to_f32(vx[i]);
+            } else {
+                memcpy(kbuf, kp, sizeof(float) * n * D);
+                memcpy(vbuf, vp, sizeof(float) * n * D);
+            }
+            partial(q[b] + (long)h * G * D, kbuf, vbuf, G, D, n, scale, scratch + off[b] + ((long)h * chunks[b] + c) * psize);
+            if (lead[b] == b)
+                for (int m = b + 1; m < B; m++)
+                    if (lead[m] == b && c < own[m])
+                        partial(q[m] + (long)h * G * D, kbuf, vbuf, G, D, n, scale,
+                                scratch + off[m] + ((long)h * chunks[m] + c) * psize);
         }
-        partial(q[b] + (long)h * G * D, kbuf, vbuf, G, D, n, scale, scratch + off[b] + ((long)h * chunks[b] + c) * psize);
-        if (lead[b] == b)
-            for (int m = b + 1; m < B; m++)
-                if (lead[m] == b && c < own[m])
-                    partial(q[m] + (long)h * G * D, kbuf, vbuf, G, D, n, scale,
-                            scratch + off[m] + ((long)h * chunks[m] + c) * psize);
     }
     /* combine the chunks of each (sequence, head, query) in chunk order */
 #pragma omp parallel for schedule(static)

@@ -85,11 +85,15 @@ def test_a_session_cut_below_its_shared_rows_is_compared_again(model):
     sharing = Sharing()
     ss = built(model)
     assert sharing.plan(ss)[1] == (0, 256)
-    before = ss[1].version
+    ss[1].truncate(len(ss[1]) - 20)             # a cut past the shared rows keeps them
+    ss[1].prefill(suffix(8, 30))
+    assert sharing.plan(ss)[1] == (0, 256)
     ss[1].truncate(100)
     ss[1].prefill(suffix(9, 40))                # other tokens from row 100 on
-    assert ss[1].version != before
     assert sharing.plan(ss)[1] == (1, 0)         # 100 common tokens: not one whole chunk
+    ss[2].truncate(200)                         # a cut inside them: compared again
+    ss[2].k[1, 0, 150].view(torch.int16 if model.dtype == torch.bfloat16 else torch.int32)[3] ^= 1
+    assert sharing.plan(ss)[2] == (0, 128)
 
 
 def test_sliding_window_layers_share_only_while_their_keys_start_at_row_0():
