@@ -7,6 +7,13 @@
  * (max, sum, acc) are combined afterwards in task order: the result does not depend on the
  * thread count or schedule, only on S (deterministic, as --deterministic needs).
  *
+ * Several sequences of one batched step go through one call (decode_attention_many); a chunk
+ * whose rows two sequences hold bit for bit alike (a system prompt their sessions copied) is
+ * widened once and serves every query of both: every query of a chunk, shared or not, is
+ * scored and weighted by the same code with sums in one fixed order, so sharing changes no
+ * bit of any answer. Scores transpose blocks of K rows in registers (one vector of rows per
+ * query, no horizontal sums); the V products take several queries per V row.
+ *
  * Built by procs/inference/native.py with the other kernels (-O3 -march=native -fopenmp, reassociation allowed so the
  * reductions vectorize: a given build is still deterministic); OpenMP is torch's own
  * runtime (the same libgomp.so.1 soname, already loaded), so torch.set_num_threads applies.
@@ -42,70 +49,211 @@ static inline float exp_nonpos(float x) {
     return p * c.f;
 }
 
-/* s[r] = scale * (q . row r of kb) for n rows of D floats */
-static inline void scores(const float *restrict q, const float *restrict kb, const int D, int n, float scale,
-                          float *restrict s) {
-    for (int r = 0; r < n; r++) {
-        const float *restrict kr = kb + r * D;
-        float acc = 0.0f;
-#pragma omp simd reduction(+:acc)
-        for (int d = 0; d < D; d++) acc += q[d] * kr[d];
-        s[r] = acc * scale;
+/* Scores of up to QG queries at once against the chunk's n rows (kb [n][D], f32): blocks of
+ * VW rows are transposed in registers so that each query's dot products accumulate VW rows in
+ * one vector, d in order, with no horizontal sum; the block's K is loaded once for every
+ * query of the group. A query's score for a row is the same whatever else is in its group
+ * (each lane's sum runs over d in one fixed order), so a shared chunk gives each sequence
+ * the bits its own copy would. Rows past the last whole block are summed one at a time. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VW 16
+#define QG 12
+typedef __m512 VF;
+#define VLOADU _mm512_loadu_ps
+#define VFMA _mm512_fmadd_ps
+#define VSET1 _mm512_set1_ps
+#define VMUL _mm512_mul_ps
+#define VSTOREU _mm512_storeu_ps
+#define VZERO _mm512_setzero_ps()
+/* t[i] = row i's 16 values -> t[j] = value j of the 16 rows */
+static inline __attribute__((always_inline)) void transpose(VF *t) {
+    VF u[16];
+    for (int i = 0; i < 8; i++) {
+        u[2 * i] = _mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]);
+        u[2 * i + 1] = _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(u[4 * i]), b = _mm512_castps_pd(u[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(u[4 * i + 2]), d = _mm512_castps_pd(u[4 * i + 3]);
+        t[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        t[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        t[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        t[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int k = 0; k < 4; k++) {
+        const VF x0 = _mm512_shuffle_f32x4(t[k], t[4 + k], 0x88), x1 = _mm512_shuffle_f32x4(t[k], t[4 + k], 0xDD);
+        const VF y0 = _mm512_shuffle_f32x4(t[8 + k], t[12 + k], 0x88), y1 = _mm512_shuffle_f32x4(t[8 + k], t[12 + k], 0xDD);
+        u[k] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+        u[8 + k] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+        u[4 + k] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+        u[12 + k] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) t[i] = u[i];
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VW 8
+#define QG 7
+typedef __m256 VF;
+#define VLOADU _mm256_loadu_ps
+#define VFMA _mm256_fmadd_ps
+#define VSET1 _mm256_set1_ps
+#define VMUL _mm256_mul_ps
+#define VSTOREU _mm256_storeu_ps
+#define VZERO _mm256_setzero_ps()
+static inline __attribute__((always_inline)) void transpose(VF *t) {
+    VF u[8], v[8];
+    for (int i = 0; i < 4; i++) {
+        u[2 * i] = _mm256_unpacklo_ps(t[2 * i], t[2 * i + 1]);
+        u[2 * i + 1] = _mm256_unpackhi_ps(t[2 * i], t[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        v[4 * i] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0x44);
+        v[4 * i + 1] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0xEE);
+        v[4 * i + 2] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0x44);
+        v[4 * i + 3] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        t[k] = _mm256_permute2f128_ps(v[k], v[4 + k], 0x20);
+        t[4 + k] = _mm256_permute2f128_ps(v[k], v[4 + k], 0x31);
     }
 }
+#else
+#define QG 8
+#endif
 
-/* G queries against n rows of one K/V head, already widened to f32 (kb, vb: [n][D]).
- * part: [G][D + 2] = acc, max, sum. D is a compile-time constant in the specialized copies
- * below, so a query and its accumulator stay in registers. Every partial, shared chunk or
- * not, comes from this one function: a chunk's partial depends only on its rows and q. */
-static inline __attribute__((always_inline)) void part_impl(
-        const float *restrict q, const float *restrict kb, const float *restrict vb, int G, const int D,
-        int n, float scale, float *restrict part) {
-    float s[MAXG][CHUNK];
-    for (int g = 0; g < G; g++) scores(q + g * D, kb, D, n, scale, s[g]);
-    for (int g = 0; g < G; g++) {
-        float m = -FLT_MAX, l = 0.0f, *restrict p = part + g * (D + 2);
+/* one row's score, d in order (rows past the last whole block, and builds without vectors) */
+static inline float row_score(const float *restrict q, const float *restrict k, int D) {
+    float acc = 0.0f;
+    for (int d = 0; d < D; d++) acc += q[d] * k[d];
+    return acc;
+}
+
+#ifdef VW
+/* M queries (a compile-time count: their accumulators stay in registers) */
+static inline __attribute__((always_inline)) void block_scores(
+        const int M, const float *const *q, const float *restrict kb, int D, int n, float scale, float (*s)[CHUNK]) {
+    int r = 0;
+    for (; r + VW <= n; r += VW) {
+        VF acc[QG];
+        for (int i = 0; i < M; i++) acc[i] = VZERO;
+        for (int d0 = 0; d0 < D; d0 += VW) {
+            VF t[VW];
+            for (int j = 0; j < VW; j++) t[j] = VLOADU(kb + (long)(r + j) * D + d0);
+            transpose(t);
+            for (int j = 0; j < VW; j++)
+                for (int i = 0; i < M; i++) acc[i] = VFMA(VSET1(q[i][d0 + j]), t[j], acc[i]);
+        }
+        for (int i = 0; i < M; i++) VSTOREU(s[i] + r, VMUL(acc[i], VSET1(scale)));
+    }
+    for (; r < n; r++)
+        for (int i = 0; i < M; i++) s[i][r] = row_score(q[i], kb + (long)r * D, D) * scale;
+}
+#endif
+
+static void scores(int m, const float *const *q, const float *restrict kb, int D, int n, float scale,
+                   float (*s)[CHUNK]) {
+#ifdef VW
+    if (D % VW == 0) {
+        switch (m) {
+#define CASE(M) case M: block_scores(M, q, kb, D, n, scale, s); return;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+#if QG > 7
+        CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#endif
+#undef CASE
+        }
+    }
+#endif
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < m; i++) s[i][r] = row_score(q[i], kb + (long)r * D, D) * scale;
+}
+
+/* s[r] -> exp(s[r] - max) in place; returns (max, sum) in mx, l */
+static inline void softmax_part(float *restrict s, int n, float *mx, float *sum) {
+    float m = -FLT_MAX, l = 0.0f;
 #pragma omp simd reduction(max:m)
-        for (int r = 0; r < n; r++) m = s[g][r] > m ? s[g][r] : m;
+    for (int r = 0; r < n; r++) m = s[r] > m ? s[r] : m;
 #pragma omp simd reduction(+:l)
-        for (int r = 0; r < n; r++) {
-            s[g][r] = exp_nonpos(s[g][r] - m);
-            l += s[g][r];
-        }
-        float acc[MAXD];
-        for (int d = 0; d < D; d++) acc[d] = 0.0f;
-        for (int r = 0; r < n; r++) {
-            const float w = s[g][r], *restrict vr = vb + r * D;
-#pragma omp simd
-            for (int d = 0; d < D; d++) acc[d] += w * vr[d];
-        }
-        for (int d = 0; d < D; d++) p[d] = acc[d];
-        p[D] = m;
-        p[D + 1] = l;
+    for (int r = 0; r < n; r++) {
+        s[r] = exp_nonpos(s[r] - m);
+        l += s[r];
     }
+    *mx = m;
+    *sum = l;
 }
 
-#define SPECIALIZE(DIM)                                                                          \
-    static __attribute__((noinline)) void part_##DIM(const float *q, const float *kb, const float *vb, \
-                                                     int G, int n, float scale, float *part) {   \
-        part_impl(q, kb, vb, G, DIM, n, scale, part);                                            \
+/* part[i][d] = sum over rows r, in order, of w[i][r] * vb[r][d]: M queries' weights against
+ * each V row while it is in registers, NV vectors of d at a time from d0. A query's sums do
+ * not depend on M, NV or which queries share its group. */
+#ifdef VW
+#define PG (VW == 16 ? 4 : 2)
+static inline __attribute__((always_inline)) void pv_block(const int M, const int NV, float (*w)[CHUNK],
+                                                           const float *restrict vb, int D, int n, int d0,
+                                                           float *const *part) {
+    VF acc[4][4];
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = VZERO;
+    for (int r = 0; r < n; r++) {
+        VF v[4];
+        for (int j = 0; j < NV; j++) v[j] = VLOADU(vb + (long)r * D + d0 + j * VW);
+        for (int i = 0; i < M; i++) {
+            const VF x = VSET1(w[i][r]);
+            for (int j = 0; j < NV; j++) acc[i][j] = VFMA(x, v[j], acc[i][j]);
+        }
     }
-SPECIALIZE(64)
-SPECIALIZE(128)
-SPECIALIZE(256)
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < NV; j++) VSTOREU(part[i] + d0 + j * VW, acc[i][j]);
+}
+#endif
 
-static __attribute__((noinline)) void part_any(const float *q, const float *kb, const float *vb, int G, int D,
-                                               int n, float scale, float *part) {
-    part_impl(q, kb, vb, G, D, n, scale, part);
+static void pv(int m, float (*w)[CHUNK], const float *restrict vb, int D, int n, float *const *part) {
+    int i0 = 0, d0 = 0;
+#ifdef VW
+    for (; i0 < m; i0 += PG) {
+        const int M = m - i0 < PG ? m - i0 : PG;
+        for (d0 = 0; d0 + 4 * VW <= D; d0 += 4 * VW) {
+            switch (M) {
+            case 1: pv_block(1, 4, w + i0, vb, D, n, d0, part + i0); break;
+            case 2: pv_block(2, 4, w + i0, vb, D, n, d0, part + i0); break;
+#if PG > 2
+            case 3: pv_block(3, 4, w + i0, vb, D, n, d0, part + i0); break;
+            case 4: pv_block(4, 4, w + i0, vb, D, n, d0, part + i0); break;
+#endif
+            }
+        }
+        for (; d0 + VW <= D; d0 += VW)
+            for (int i = i0; i < i0 + M; i++) pv_block(1, 1, w + i, vb, D, n, d0, part + i);
+        for (int i = i0; i < i0 + M; i++)
+            for (int d = d0; d < D; d++) {
+                float a = 0.0f;
+                for (int r = 0; r < n; r++) a += w[i][r] * vb[(long)r * D + d];
+                part[i][d] = a;
+            }
+    }
+#else
+    for (; i0 < m; i0++)
+        for (int d = d0; d < D; d++) {
+            float a = 0.0f;
+            for (int r = 0; r < n; r++) a += w[i0][r] * vb[(long)r * D + d];
+            part[i0][d] = a;
+        }
+#endif
 }
 
-static void partial(const float *q, const float *kb, const float *vb, int G, int D, int n, float scale,
-                    float *part) {
-    switch (D) {
-    case 64: part_64(q, kb, vb, G, n, scale, part); break;
-    case 128: part_128(q, kb, vb, G, n, scale, part); break;
-    case 256: part_256(q, kb, vb, G, n, scale, part); break;
-    default: part_any(q, kb, vb, G, D, n, scale, part);
+/* nq queries (q[i]: D floats, their partials part[i]: [D + 2] = acc, max, sum) against the
+ * chunk's n rows, widened to f32 in kb and vb ([n][D]), in groups of QG. Every partial,
+ * shared chunk or not, comes from here: a chunk's partial for a query depends only on its
+ * rows and that query. */
+static void partials(int nq, const float *const *q, float *const *part, const float *kb, const float *vb, int D,
+                     int n, float scale) {
+    float s[QG][CHUNK];
+    for (int i0 = 0; i0 < nq; i0 += QG) {
+        const int m = nq - i0 < QG ? nq - i0 : QG;
+        scores(m, q + i0, kb, D, n, scale, s);
+        for (int i = 0; i < m; i++) softmax_part(s[i], n, part[i0 + i] + D, part[i0 + i] + D + 1);
+        pv(m, s, vb, D, n, part + i0);
     }
 }
 
@@ -168,6 +316,8 @@ int decode_attention_many(int B, const float *const *q, const void *const *k, co
         for (long t = 0; t < start[B]; t++) {
             const char *kp, *vp;
             int b, h, c, n;
+            const float *qs[MAXG * B];
+            float *ps[MAXG * B];
             locate(t, B, start, chunks, own, S, head_stride, k, v, D, esz, &b, &h, &c, &n, &kp, &vp);
             if (t + step < start[B]) {
                 const char *kn, *vn;
@@ -186,12 +336,16 @@ int decode_attention_many(int B, const float *const *q, const void *const *k, co
                 memcpy(kbuf, kp, sizeof(float) * n * D);
                 memcpy(vbuf, vp, sizeof(float) * n * D);
             }
-            partial(q[b] + (long)h * G * D, kbuf, vbuf, G, D, n, scale, scratch + off[b] + ((long)h * chunks[b] + c) * psize);
-            if (lead[b] == b)
-                for (int m = b + 1; m < B; m++)
-                    if (lead[m] == b && c < own[m])
-                        partial(q[m] + (long)h * G * D, kbuf, vbuf, G, D, n, scale,
-                                scratch + off[m] + ((long)h * chunks[m] + c) * psize);
+            /* this sequence's G queries, then those of each sequence reading the chunk from here */
+            int nq = 0;
+            for (int m = b; m < B; m++) {
+                if (m != b && !(lead[b] == b && lead[m] == b && c < own[m])) continue;
+                for (int g = 0; g < G; g++, nq++) {
+                    qs[nq] = q[m] + ((long)h * G + g) * D;
+                    ps[nq] = scratch + off[m] + ((long)h * chunks[m] + c) * psize + g * (D + 2);
+                }
+            }
+            partials(nq, qs, ps, kbuf, vbuf, D, n, scale);
         }
     }
     /* combine the chunks of each (sequence, head, query) in chunk order */

@@ -116,3 +116,41 @@ def test_sliding_window_layers_share_only_while_their_keys_start_at_row_0():
         ss = make(gemma)
         assert all(n >= ATT_CHUNK for _, n in sharing.plan(ss)[1:])
         assert same(greedy(make(gemma), None, batched=False), greedy(ss, sharing))
+
+
+_MARCH_CHECK = r"""
+import torch
+import torch.nn.functional as F
+from procs.inference import native
+from procs.inference.kvsession import Sharing
+from tests.conftest import _load_model, default_model_path
+from tests.procs.inference import test_shared_rows as t
+k = native.load()
+assert k is not None
+g = torch.Generator().manual_seed(3)
+# every query group size (G up to 16: more than one group of scores), head dims with and
+# without a vector tail, rows with and without a partial block
+for H, KV, D in ((9, 3, 64), (16, 1, 128), (4, 1, 256), (8, 8, 80), (7, 7, 24)):
+    for S in (1, 13, 128, 300):
+        q = torch.randn(H, D, generator=g)
+        kk, vv = torch.randn(KV, S, D, generator=g).bfloat16(), torch.randn(KV, S, D, generator=g).bfloat16()
+        got = k.attention(q, kk, vv, D ** -0.5)
+        want = F.scaled_dot_product_attention(q.view(1, H, 1, D), kk.float().unsqueeze(0), vv.float().unsqueeze(0),
+                                              enable_gqa=True, scale=D ** -0.5).view(1, H * D)
+        assert (got - want).abs().max().item() < 1e-4, (H, KV, D, S, (got - want).abs().max().item())
+m = _load_model(default_model_path(), "f32")
+assert t.same(t.greedy(t.built(m), None, batched=False), t.greedy(t.built(m), Sharing()))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_each_kernel_build_shares_rows_exactly(march):
+    """The AVX2 and portable builds (this CPU's own runs above): attention against SDPA for
+    every query-group and head-dim shape, and shared rows give the alone answers bit for bit."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, RICORDO_KERNEL_MARCH=march)
+    p = subprocess.run([sys.executable, "-c", _MARCH_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
