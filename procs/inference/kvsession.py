@@ -4,6 +4,7 @@ computes them); a session grows its rows as it fills (reserve) and can be trunca
 copied from another session's prefix, exported to and imported from a checkpoint."""
 from __future__ import annotations
 
+import collections
 import itertools
 
 import torch
@@ -256,35 +257,36 @@ class Sharing:
     them. Why it is exact: a shared chunk's attention partial is computed from the same bits
     as each sequence's own copy would give."""
 
+    KEEP = 256                 # pairs remembered (most recently used): runs leave and rejoin the batch
+
     def __init__(self):
         # (version, version) -> (equal rows, how many cuts each session had then)
-        self.equal: dict[tuple[int, int], tuple[int, dict[int, int]]] = {}
+        self.equal: collections.OrderedDict[tuple[int, int], tuple[int, dict[int, int]]] = collections.OrderedDict()
         self.rows = 0          # rows read once for several sequences, every step so far
 
-    def _rows(self, a: KVSession, b: KVSession, seen: dict) -> int:
+    def _rows(self, a: KVSession, b: KVSession) -> int:
         key = (min(a.version, b.version), max(a.version, b.version))
         got = self.equal.get(key)
-        if got is not None:
-            n, ncuts = got
-            if all(c >= n for s in (a, b) for c in s.cuts[ncuts[s.version]:]):
-                seen[key] = got
-                return n
+        if got is not None and all(c >= got[0] for s in (a, b) for c in s.cuts[got[1][s.version]:]):
+            self.equal.move_to_end(key)
+            return got[0]
         common = _common(a.tokens, b.tokens)
         n = _equal_rows(a, b, common) if common >= ATT_CHUNK else 0
-        seen[key] = (n, {a.version: len(a.cuts), b.version: len(b.cuts)})
+        self.equal[key] = (n, {a.version: len(a.cuts), b.version: len(b.cuts)})
+        if len(self.equal) > self.KEEP:
+            self.equal.popitem(last=False)
         return n
 
     def plan(self, sessions: list[KVSession]) -> list[tuple[int, int]]:
-        out, seen = [], {}
+        out = []
         for b, s in enumerate(sessions):
             best = (b, 0)
             for a, (lead, _) in enumerate(out):
                 if lead == a:                         # leaders only: one level
-                    n = self._rows(sessions[a], s, seen)
+                    n = self._rows(sessions[a], s)
                     if n > best[1]:
                         best = (a, n)
             out.append(best)
-        self.equal = seen                             # forget pairs no longer batched together
         return out
 
 
