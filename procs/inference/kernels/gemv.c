@@ -77,6 +77,12 @@ static inline void scale32(W32 *w, __m512 s) {
     w->v[0] = _mm512_mul_ps(w->v[0], s);
     w->v[1] = _mm512_mul_ps(w->v[1], s);
 }
+/* int4: the group's min folded in too (w = q * scale + min), so a row needs no min term */
+#define FOLD_MIN 1
+static inline void affine32(W32 *w, __m512 s, __m512 mn) {
+    w->v[0] = _mm512_fmadd_ps(w->v[0], s, mn);
+    w->v[1] = _mm512_fmadd_ps(w->v[1], s, mn);
+}
 static inline __m512 dot32(const W32 *w, const float *x, int g, __m512 acc, __m512 s) {
     (void)s;
     acc = _mm512_fmadd_ps(w->v[0], _mm512_loadu_ps(x + 32 * g), acc);
@@ -220,6 +226,18 @@ INLINE void rows_q4(const uint8_t *q, const uint16_t *sm, int groups, const floa
         mins[b] = 0.0f;
         for (int a = 0; a < NACC; a++) acc[b][a] = VZERO;
     }
+#ifdef FOLD_MIN
+    (void)xs;
+    (void)ldxs;
+#define Q4_STEP(G, A)                                                                          \
+    {                                                                                          \
+        W32 w;                                                                                 \
+        q4_unpack(q, G, &w);                                                                   \
+        const V s = VSET1(f16_to_f32(sm[2 * (G)]));                                            \
+        affine32(&w, s, VSET1(f16_to_f32(sm[2 * (G) + 1])));                                  \
+        for (int b = 0; b < nb; b++) acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);      \
+    }
+#else
     /* the min's part, sum over groups of min * (sum of the group's x), in group order */
 #define Q4_STEP(G, A)                                                                          \
     {                                                                                          \
@@ -233,6 +251,7 @@ INLINE void rows_q4(const uint8_t *q, const uint16_t *sm, int groups, const floa
             mins[b] += mn * xs[b * ldxs + (G)];                                                \
         }                                                                                      \
     }
+#endif
     GROUP_LOOP(Q4_STEP)
     for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b])) + mins[b];
 }
