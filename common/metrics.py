@@ -54,6 +54,8 @@ class Metrics:
                                  multiprocess_mode="livesum")
         self.batch_size = Histogram("ricordo_decode_batch_size", "sequences advanced by one decode step",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
+        self.busy = Counter("ricordo_inference_busy_seconds", "seconds the inference loop spent prefilling "
+                            "chunks and running decode steps", ["phase"])
         self.shared_rows = Counter("ricordo_decode_shared_rows",
                                    "K/V rows a batched decode step read once for two sequences or more "
                                    "(each sharing sequence's rows counted once a step)")

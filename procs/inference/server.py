@@ -10,6 +10,7 @@ prompts prefill a chunk at a time, the answers decode in one batched step for al
 from __future__ import annotations
 
 import collections
+import time
 import os
 import uuid
 
@@ -120,15 +121,19 @@ class Worker(Placement, Runs):
             prefilling = [r for r in self.active.values() if r.logits is None]
             if prefilling:      # one chunk, to the prompt served longest ago
                 tick += 1
+                t0 = time.perf_counter()
                 self.guarded(self.prefill_chunk, min(prefilling, key=lambda r: r.served), tick)
+                metrics.M.busy.labels("prefill").inc(time.perf_counter() - t0)
             decoding = [r for r in self.active.values() if r.logits is not None and r.rid not in self.cancelled]
             if decoding:
+                t0 = time.perf_counter()
                 try:
                     self.decode_round(decoding)
                 except Exception as e:   # the batched step failed: each of its runs fails
                     for r in decoding:
                         if r.rid in self.active:
                             self.fail(r, e)
+                metrics.M.busy.labels("decode").inc(time.perf_counter() - t0)
         for run in list(self.active.values()):
             self.guarded(self.end, run, "cancelled")
         self.shutdown()

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 QUESTIONS = ("Name three rivers of Italy.", "How does a bicycle brake work?", "Write a haiku about the sea.")
 SHARED = re.compile(r'^ricordo_decode_shared_rows_total (\S+)$', re.M)
+BUSY = re.compile(r'^ricordo_inference_busy_seconds_total\{phase="(\w+)"\} (\S+)$', re.M)
 # a system prompt of several whole attention chunks (128 rows each)
 SYSTEM = "You answer questions for a bicycle shop. " + " ".join(
     f"Rule {i}: when asked about part {i}, say what it does in plain words." for i in range(40))
@@ -87,11 +88,13 @@ def test_conversations_on_one_system_prompt_read_it_once_and_answer_as_alone(tmp
         return r.choices[0].message.content
     with Server(env=env, name="ricordo-shared-rows") as srv:
         alone = [ask_shop(q) for q in QUESTIONS]
-        before = float(SHARED.search(srv.http().get("/metrics").text).group(1))
+        text = srv.http().get("/metrics").text
+        before, busy = float(SHARED.search(text).group(1)), dict(BUSY.findall(text))
         both = together(ask_shop, list(QUESTIONS))
         after = float(SHARED.search(srv.http().get("/metrics").text).group(1))
     assert both == alone and all(alone)
     assert after - before >= 256, (before, after)     # whole chunks, at least one step of two
+    assert float(busy["prefill"]) > 0 and float(busy["decode"]) > 0, busy
 
 
 def test_a_long_prompt_is_prefilled_between_the_steps_of_a_streaming_answer(tmp_path):
