@@ -9,6 +9,7 @@ import itertools
 
 import torch
 
+from common.policy import common_prefix
 from procs.inference.model import Llama
 from procs.inference.native import ATT_CHUNK
 
@@ -239,17 +240,6 @@ def _equal_rows(a: KVSession, b: KVSession, n: int) -> int:
     return int(differ.to(torch.int8).argmax()) // ATT_CHUNK * ATT_CHUNK
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n                 # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
-    return lo
-
-
 class Sharing:
     """Which sessions of a batch hold the same first rows (compared bit for bit once per pair
     of session versions, and again only after a cut below what was found), for
@@ -270,7 +260,7 @@ class Sharing:
         if got is not None and all(c >= got[0] for s in (a, b) for c in s.cuts[got[1][s.version]:]):
             self.equal.move_to_end(key)
             return got[0]
-        common = _common(a.tokens, b.tokens)
+        common = common_prefix(a.tokens, b.tokens)
         n = _equal_rows(a, b, common) if common >= ATT_CHUNK else 0
         self.equal[key] = (n, {a.version: len(a.cuts), b.version: len(b.cuts)})
         if len(self.equal) > self.KEEP:

@@ -10,26 +10,12 @@ import time
 import msgspec
 
 from common import messages as m
+from common.policy import common_prefix
 from procs.renderer import grammar, tools
 from procs.renderer.answer import Pending
 from procs.renderer.plan import plan_job
 from procs.renderer.prompt import TextStream, tool_choice
 from procs.renderer.readiness import HEALTH_FRESH_S
-
-
-def shared(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists (slice compares run in C)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n        # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class Dispatch:
@@ -65,7 +51,7 @@ class Dispatch:
         side request beside a cold first turn: waiting beats computing the prefix twice)."""
         if len(p.prompt) > len(q.prompt) and p.prompt.startswith(q.prompt):
             return True
-        return shared(p.full, q.ids) - cached >= max(self.s.kv_cache_min_tokens, 1)
+        return common_prefix(p.full, q.ids) - cached >= max(self.s.kv_cache_min_tokens, 1)
 
     def planning_view(self, busy: dict[int, int]) -> dict[int, m.LiveSession]:
         """The resident sessions as a new job may use them: a session a running job uses

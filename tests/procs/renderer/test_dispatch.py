@@ -8,8 +8,8 @@ import pytest
 
 from common import messages as m
 from common.config import Settings
+from common.policy import common_prefix
 from procs.renderer import server as rs
-from procs.renderer.dispatch import shared
 
 from .test_readiness import Captured, LOG, inference_up, keep_signals  # noqa: F401 (a fixture)
 
@@ -57,10 +57,10 @@ def done(r, rid: str, sid: int, answer=(7, 8)) -> None:
 
 
 def test_shared_prefix_length():
-    assert shared([1, 2, 3], [1, 2, 3, 4]) == 3
-    assert shared([1, 2, 3], [1, 9, 3]) == 1
-    assert shared([], [1]) == 0
-    assert shared(list(range(1000)), list(range(700)) + [-1] * 300) == 700
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([1, 2, 3], [1, 9, 3]) == 1
+    assert common_prefix([], [1]) == 0
+    assert common_prefix(list(range(1000)), list(range(700)) + [-1] * 300) == 700
 
 
 def test_requests_on_one_system_prompt_run_together_up_to_parallel(make):
