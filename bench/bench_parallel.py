@@ -47,13 +47,11 @@ from bench.report import emit, log  # noqa: E402
 from tests.e2e.server import Server  # noqa: E402
 
 HIT = re.compile(r"KV cache: hit for sha1=")
-DECODE_S = re.compile(r'^ricordo_inference_busy_seconds_total\{phase="decode"\} (\S+)$', re.M)
 
 
 def decode_seconds(srv: Server) -> float:
     """Seconds the inference loop has spent in decode steps (its /metrics counter)."""
-    got = DECODE_S.search(srv.http().get("/metrics").text)
-    return float(got.group(1)) if got else 0.0
+    return srv.metric("ricordo_inference_busy_seconds_total", phase="decode")
 
 
 def turn(client, messages, n: int) -> dict:

@@ -277,6 +277,7 @@ class Sharing:
                     if n > best[1]:
                         best = (a, n)
             out.append(best)
+        self.rows += sum(n for _, n in out)
         return out
 
 
@@ -291,8 +292,6 @@ def decode_many(sessions: list[KVSession], tokens: list[int], sharing: Sharing |
     model = sessions[0].model
     share = sharing.plan(sessions) if sharing is not None and model.decoder is not None and len(sessions) > 1 \
         else None
-    if share:
-        sharing.rows += sum(n for _, n in share)
     logits = model.decode_batch(tokens, [len(s) for s in sessions], [(s.k, s.v) for s in sessions],
                                 exact=sessions[0].exact, share=share)
     rows = list(logits)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -52,6 +53,19 @@ def child_env(port: int, run_dir, extra: dict) -> dict[str, str]:
     env.update(extra)
     return {k: v for k, v in env.items() if v is not None}
 
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text -> {(sample name, sorted labels): value}."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[smp.name, tuple(sorted(smp.labels.items()))] = smp.value
+    return out
+
+
+def value(m: dict, name: str, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 class ServerError(RuntimeError):
     pass
@@ -88,6 +102,14 @@ class Clients:
     def http(self, **kw) -> httpx.Client:
         kw.setdefault("timeout", self.timeout_s)
         return httpx.Client(base_url=self.base_url, **kw)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """GET /metrics parsed by prometheus-client: {(sample name, sorted labels): value}."""
+        return samples(self.http().get("/metrics").text)
+
+    def metric(self, name: str, **labels) -> float:
+        """One sample of /metrics (0 when absent), e.g. metric("ricordo_x_total", phase="decode")."""
+        return value(self.metrics(), name, **labels)
 
     def tail(self) -> str:
         return ""

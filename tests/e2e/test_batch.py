@@ -16,13 +16,11 @@ import time
 
 import pytest
 
-from .server import Server
+from .server import Server, value
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ("Name three rivers of Italy.", "How does a bicycle brake work?", "Write a haiku about the sea.")
-SHARED = re.compile(r'^ricordo_decode_shared_rows_total (\S+)$', re.M)
-BUSY = re.compile(r'^ricordo_inference_busy_seconds_total\{phase="(\w+)"\} (\S+)$', re.M)
 # a system prompt of several whole attention chunks (128 rows each)
 SYSTEM = "You answer questions for a bicycle shop. " + " ".join(
     f"Rule {i}: when asked about part {i}, say what it does in plain words." for i in range(40))
@@ -88,13 +86,14 @@ def test_conversations_on_one_system_prompt_read_it_once_and_answer_as_alone(tmp
         return r.choices[0].message.content
     with Server(env=env, name="ricordo-shared-rows") as srv:
         alone = [ask_shop(q) for q in QUESTIONS]
-        text = srv.http().get("/metrics").text
-        before, busy = float(SHARED.search(text).group(1)), dict(BUSY.findall(text))
+        m = srv.metrics()
+        before = value(m, "ricordo_decode_shared_rows_total")
+        busy = {p: value(m, "ricordo_inference_busy_seconds_total", phase=p) for p in ("prefill", "decode")}
         both = together(ask_shop, list(QUESTIONS))
-        after = float(SHARED.search(srv.http().get("/metrics").text).group(1))
+        after = srv.metric("ricordo_decode_shared_rows_total")
     assert both == alone and all(alone)
     assert after - before >= 256, (before, after)     # whole chunks, at least one step of two
-    assert float(busy["prefill"]) > 0 and float(busy["decode"]) > 0, busy
+    assert busy["prefill"] > 0 and busy["decode"] > 0, busy
 
 
 def test_a_long_prompt_is_prefilled_between_the_steps_of_a_streaming_answer(tmp_path):

@@ -11,23 +11,10 @@ import sys
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.server import REPO, Server
+from tests.e2e.server import REPO, Server, samples, value
 
 SYSTEM = "You are a terse assistant. " + " ".join(f"Fact {i}: item {i} is blue." for i in range(12))
-
-
-def samples(text: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name, tuple(sorted(s.labels.items()))] = s.value
-    return out
-
-
-def value(m, name, **labels) -> float:
-    return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def cache_cli(kv, *args) -> subprocess.CompletedProcess:
