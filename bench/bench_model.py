@@ -368,7 +368,8 @@ def measure_llama_cpp(path: str, sizes, dctx, steps: int, threads: int, reps: in
 
 
 def run(args) -> dict:
-    s = Settings(model=args.model, dtype=args.dtype, chunk_size=args.chunk_size, threads=args.threads)
+    s = Settings(model=args.model, dtype=args.dtype, chunk_size=args.chunk_size, threads=args.threads,
+                 prefill_attention=args.prefill_attention)
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     res: dict = {
@@ -388,6 +389,7 @@ def run(args) -> dict:
     res["model"] = {"file": os.path.basename(resolve(s.model, s.models_path())), "arch": model.cfg.arch, "n_layers": model.cfg.n_layers, "dim": model.cfg.dim, "ctx": ctx,
                     "linear_params": lin, "lm_head_params": head,
                     "decode_path": "native" if model.decoder is not None else "torch",
+                    "prefill_attention": "native" if model.prefill_attend is not None else "sdpa",
                     "decode_weights": sorted({weight_kind(x) for ly in model.layers for x in (ly.wqkv, ly.wo, ly.wgu, ly.wd)})}
     if loads:
         res["load_s"] = statistics.median(load_times)
@@ -558,7 +560,7 @@ def table(res: dict) -> str:
     out.append(f"CPU: {res['machine']['cpu']}, {res['machine']['cpus']} cores")
     out.append(f"dtype {st['dtype']} -> {st['compute_dtype']}, chunk {st['chunk_size']}, threads {st['threads']}, "
                f"repeats {st['repeats']}, decode steps {st['decode_steps']}, decode {res['model']['decode_path']} on "
-               f"{'+'.join(res['model']['decode_weights'])}, RSS at end {res['rss_mb']:.0f} MiB, "
+               f"{'+'.join(res['model']['decode_weights'])}, prefill attention {res['model']['prefill_attention']}, RSS at end {res['rss_mb']:.0f} MiB, "
                f"loadavg {res['machine']['loadavg_start']:.2f} -> {res['machine']['loadavg_end']:.2f}, "
                f"wall {res['wall_s']:.0f} s (of which {res['waited_for_quiet_s']:.0f} s waiting for a quiet machine)")
     return "\n".join(out)
@@ -571,6 +573,8 @@ def main(argv=None) -> int:
                     "empty = the default model")
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "f32", "f16"))
     ap.add_argument("--chunk-size", type=int, default=512)
+    ap.add_argument("--prefill-attention", default="auto", choices=("auto", "native", "sdpa"),
+                    help="prefill's attention on the CPU (the server's --prefill-attention)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--repeats", type=int, default=3, help="prefill repeats (median)")
     ap.add_argument("--long-repeats", type=int, default=2, help="at most this many repeats for >= 4096 tokens")

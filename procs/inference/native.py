@@ -29,7 +29,8 @@ from common.config import _default_cache_root
 log = logging.getLogger("ricordo.native")
 
 DIR = Path(__file__).with_name("kernels")
-SOURCES = ("attention.c", "gemv.c", "decode.c")
+SOURCES = ("attention.c", "prefill.c", "gemv.c", "decode.c")
+HEADERS = ("kernels.h", "simd.h")
 # -fassociative-math (with what it requires) lets the dot products and sums vectorize; a build
 # is still one fixed instruction sequence, so its results are deterministic.
 # RICORDO_KERNEL_MARCH picks another target (haswell: the AVX2 paths on an AVX-512 machine;
@@ -55,7 +56,7 @@ def _cpu_flags() -> str:
 
 
 def _build(cache_dir: Path) -> Path:
-    src = b"".join((DIR / n).read_bytes() for n in (*SOURCES, "kernels.h"))
+    src = b"".join((DIR / n).read_bytes() for n in (*SOURCES, *HEADERS))
     key = hashlib.sha1(src + " ".join([CC, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     out = cache_dir / f"kernels-{key}.so"
     if out.exists():
@@ -210,6 +211,37 @@ class DecodeAttention:
         return out.to(q.dtype).view(1, H * D)
 
 
+class PrefillAttention:
+    """q [T, H, D] at positions pos..pos+T-1 against k, v [KV, cap, D] (a layer's cache,
+    rows 0..pos+T-1 written) -> [T, H*D] in q's dtype: causal, window > 0 a sliding window
+    (kernels/prefill.c). Each row's bits do not depend on how the prompt was split."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.fn = lib.prefill_attention
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_int] * 7 + \
+            [ctypes.c_float, ctypes.c_void_p]
+
+    @staticmethod
+    def takes(G: int, D: int) -> bool:
+        return 1 <= G <= 16 and 1 <= D <= 256     # prefill.c MAXG, MAXD
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: int,
+                 scale: float) -> torch.Tensor:
+        T, H, D = q.shape
+        KV = k.shape[0]
+        if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(2) != 1 or k.stride(1) != D \
+                or v.stride() != k.stride() or v.dtype != k.dtype or k.shape[1] < pos + T:
+            raise ValueError("native prefill attention needs bf16/f32 K/V with contiguous rows")
+        qf = q.float().contiguous()
+        out = torch.empty(T, H * D)
+        rc = self.fn(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), int(k.dtype == torch.bfloat16),
+                     KV, H // KV, D, T, pos, window, scale, out.data_ptr())
+        if rc:
+            raise ValueError(f"native prefill attention does not take G={H // KV}, D={D}")
+        return out.to(q.dtype)
+
+
 class Decoder:
     """model.forward for one token at position pos, in one C call: ids [1], the session's
     caches [layers, KV, cap, D] -> float32 logits [1, V]. Built by Kernels.decoder for a model
@@ -308,6 +340,7 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         self.attention = DecodeAttention(lib)
+        self.prefill = PrefillAttention(lib)
         one = lib.mat_vec_one
         one.restype = None
         one.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 3

@@ -16,13 +16,25 @@ from procs.inference.packcache import PackCache, cache_file
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
 
 
-def cpu_has_fast_bf16() -> bool:
+def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return f.read()
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_fast_bf16() -> bool:
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def native_prefill(s: Settings, dtype: torch.dtype) -> bool:
+    """Whether prefill's attention runs in kernels/prefill.c rather than torch's SDPA. auto:
+    except in bf16 on AMX, where oneDNN's tile GEMMs under SDPA outrun f32 FMA tiles."""
+    if s.prefill_attention == "auto":
+        return not (dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags())
+    return s.prefill_attention == "native"
 
 
 def pick_device(name: str) -> str:
@@ -67,7 +79,8 @@ def explain(s: Settings, model) -> str:
                                         " (--decode-kernels torch, or the kernels did not build)")
     else:
         path = "decode: torch's ops on the device"
-    return f"{str(model.dtype).replace('torch.', '')} ({why}); {path}"
+    att = "native" if model.prefill_attend is not None else "torch's SDPA"
+    return f"{str(model.dtype).replace('torch.', '')} ({why}); {path}; prefill attention: {att}"
 
 
 def _trim_heap() -> None:
@@ -98,7 +111,8 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     cache = None
     if kernels is not None and s.packed_cache_path() and os.path.isfile(path):
         cache = PackCache(cache_file(s.packed_cache_path(), path, dtype, packed))
-    model = Llama(w, max(ctx, 1), packed=packed, kernels=kernels, cache=cache)
+    model = Llama(w, max(ctx, 1), packed=packed, kernels=kernels, cache=cache,
+                  native_prefill=native_prefill(s, dtype))
     del w
     _trim_heap()
     secs = time.perf_counter() - t0
