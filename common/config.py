@@ -39,9 +39,9 @@ class Settings:
     decode_kernels: str = opt("native", "decode on the CPU: a whole step in C kernels built once with this machine's "
                               "gcc (cached under ~/.cache/ricordo/kernels; torch's ops when they cannot be built), "
                               "or torch's ops", ("generate", "inference"), ("native", "torch"))
-    prefill_attention: str = opt("auto", "prefill's attention on the CPU: the native kernel (f32 FMA tiles, 1.2-1.3x "
-                                 "torch's SDPA without AMX), torch's SDPA, or auto: native unless bf16 GEMMs run on "
-                                 "AMX", ("generate", "inference"), ("auto", "native", "sdpa"))
+    prefill_attention: str = opt("auto", "prefill's attention on the CPU: the native kernel (f32 FMA tiles; bf16 pairs "
+                                 "where the CPU has avx512_bf16), torch's SDPA, or auto: native unless bf16 GEMMs run "
+                                 "on AMX", ("generate", "inference"), ("auto", "native", "sdpa"))
     packed_cache_dir: str = opt("", "where the native decoder's packed weights are kept between starts, one file per "
                                 "model file and dtype (default ~/.cache/ricordo/packed; off: none)",
                                 ("generate", "inference"))

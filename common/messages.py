@@ -322,6 +322,14 @@ class InferenceHealth(msgspec.Struct, tag="ihealth", frozen=True):
     resident_bytes: int = 0             # their K/V bytes
 
 
+class InferenceBusy(msgspec.Struct, tag="ibusy", frozen=True):
+    """From a thread of the inference process, every BUSY_EVERY_S while one step of its loop (a
+    prefill chunk, a decode round, a restore) runs: the loop answers pings only between steps,
+    and one step of a large model on a slow CPU can outlast the renderer's silence limit."""
+    boot: str
+    step_s: float                       # how long the current step has run
+
+
 class LiveSession(msgspec.Struct, frozen=True):
     """One resident session as the renderer mirrors it."""
     sid: int
@@ -357,7 +365,7 @@ class PersisterState(msgspec.Struct, tag="persister_state", frozen=True):
 
 
 EventsIn = (Begun | Progress | Token | JobDone | JobError
-    | InferenceHealth | LiveState | IndexSnapshot | PersisterState)
+    | InferenceHealth | InferenceBusy | LiveState | IndexSnapshot | PersisterState)
 
 
 # ---------------------------------------------------------------------------------------

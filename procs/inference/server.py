@@ -10,6 +10,8 @@ prompts prefill a chunk at a time, the answers decode in one batched step for al
 from __future__ import annotations
 
 import collections
+import contextlib
+import threading
 import time
 import os
 import uuid
@@ -34,6 +36,48 @@ from procs.inference.runtime import build, explain
 from procs.inference.sessions import Sessions, budget_bytes
 
 MAX_CANCELLED = 10_000      # remembered cancels beyond which those of unknown jobs are forgotten
+BUSY_EVERY_S = 2.0          # Heartbeat: how often a running step is announced
+
+
+class Heartbeat:
+    """While a step of the loop runs, a thread says so (InferenceBusy) every BUSY_EVERY_S on
+    its own socket, so that a slow step (a 512-token chunk of a 1.5B model at 6k tokens took
+    21 s on 2 busy cores) is not taken for a dead process. It runs while torch's and the
+    kernels' calls release the GIL; a loop stuck holding the GIL silences it too."""
+
+    def __init__(self, endpoint: str, boot: str):
+        self.started: float | None = None        # monotonic start of the running step
+        self.boot = boot
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._beat, args=(endpoint,), name="heartbeat", daemon=True)
+        self.thread.start()
+
+    @contextlib.contextmanager
+    def step(self):
+        self.started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.started = None
+
+    def _beat(self, endpoint: str) -> None:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.connect(endpoint)
+        enc = m.encoder()
+        while not self.done.wait(BUSY_EVERY_S):
+            t = self.started
+            if t is not None:
+                try:
+                    sock.send(enc.encode(m.InferenceBusy(boot=self.boot, step_s=time.monotonic() - t)), zmq.NOBLOCK)
+                except zmq.Again:       # the renderer is not there to hear it
+                    pass
+        sock.close()
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=2 * BUSY_EVERY_S)
 
 
 class Worker(Placement, Runs):
@@ -70,6 +114,7 @@ class Worker(Placement, Runs):
         self.sent_back: dict[str, None] = {}   # rids of jobs sent back once (the next run goes cold)
         self.boot = uuid.uuid4().hex
         self.stop = StopFlag()
+        self.beat = Heartbeat(address(s, RENDERER_EVENTS), self.boot)
 
     def send(self, msg) -> None:
         self.push.send(self.enc.encode(msg))
@@ -115,29 +160,36 @@ class Worker(Placement, Runs):
         tick = 0
         while not self.stop:
             self.drain(0 if self.active else 0.1)
-            self.admit()
-            for run in [r for r in self.active.values() if r.rid in self.cancelled]:
-                self.guarded(self.end, run, "cancelled")
-            prefilling = [r for r in self.active.values() if r.logits is None]
-            if prefilling:      # one chunk, to the prompt served longest ago
-                tick += 1
-                t0 = time.perf_counter()
-                self.guarded(self.prefill_chunk, min(prefilling, key=lambda r: r.served), tick)
-                metrics.M.busy.labels("prefill").inc(time.perf_counter() - t0)
-            decoding = [r for r in self.active.values() if r.logits is not None and r.rid not in self.cancelled]
-            if decoding:
-                t0 = time.perf_counter()
-                try:
-                    self.decode_round(decoding)
-                except Exception as e:   # the batched step failed: each of its runs fails
-                    for r in decoding:
-                        if r.rid in self.active:
-                            self.fail(r, e)
-                metrics.M.busy.labels("decode").inc(time.perf_counter() - t0)
+            with self.beat.step():
+                tick = self.step(tick)
         for run in list(self.active.values()):
             self.guarded(self.end, run, "cancelled")
         self.shutdown()
+        self.beat.close()
         return 0
+
+    def step(self, tick: int) -> int:
+        """Jobs admitted, cancels ended, one prefill chunk and one decode round."""
+        self.admit()
+        for run in [r for r in self.active.values() if r.rid in self.cancelled]:
+            self.guarded(self.end, run, "cancelled")
+        prefilling = [r for r in self.active.values() if r.logits is None]
+        if prefilling:      # one chunk, to the prompt served longest ago
+            tick += 1
+            t0 = time.perf_counter()
+            self.guarded(self.prefill_chunk, min(prefilling, key=lambda r: r.served), tick)
+            metrics.M.busy.labels("prefill").inc(time.perf_counter() - t0)
+        decoding = [r for r in self.active.values() if r.logits is not None and r.rid not in self.cancelled]
+        if decoding:
+            t0 = time.perf_counter()
+            try:
+                self.decode_round(decoding)
+            except Exception as e:   # the batched step failed: each of its runs fails
+                for r in decoding:
+                    if r.rid in self.active:
+                        self.fail(r, e)
+            metrics.M.busy.labels("decode").inc(time.perf_counter() - t0)
+        return tick
 
     def guarded(self, step, run: Run, *args) -> None:
         try:

@@ -46,6 +46,10 @@ JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed 
 # has begun: one it has not may wait in the socket for a restarting process (which lists it
 # in its first ping answer, or the job is failed then as lost), however long its model loads.
 INFERENCE_SILENCE_S = 20.0
+# While one step of its loop runs (a prefill chunk can take tens of seconds for a large model
+# on a slow CPU), a thread of inference says so (InferenceBusy); a step longer than this is
+# taken for a hang, and its announcements no longer count as being heard.
+STEP_LIMIT_S = 600.0
 MAX_HINTS = 10_000        # session hints remembered (each names a resident session, or a gone one)
 
 
@@ -262,6 +266,10 @@ class Renderer(Readiness, Answers, Dispatch):
             return
         if isinstance(ev, m.PersisterState):
             self.on_persister_state(ev)
+            return
+        if isinstance(ev, m.InferenceBusy):
+            if ev.step_s < STEP_LIMIT_S and (self.inference is None or ev.boot == self.inference.boot):
+                self.last_heard = time.monotonic()
             return
         self.last_heard = time.monotonic()
         if isinstance(ev, m.LiveState):

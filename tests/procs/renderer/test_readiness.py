@@ -192,3 +192,28 @@ def test_a_long_prefill_chunk_does_not_make_the_server_unready(renderer):
     r.running.clear()                                        # idle: the short window again
     r.last_heard = time.monotonic() - readiness.HEALTH_FRESH_S - 1
     assert not health(r).ready
+
+
+def test_a_step_longer_than_the_silence_limit_is_not_a_dead_process(renderer):
+    """A prefill chunk of a large model on a slow CPU outlasts INFERENCE_SILENCE_S: inference's
+    heartbeat thread says it is in a step (InferenceBusy), and the job is not failed; a step
+    past STEP_LIMIT_S, or the word of another process, is not heard, and the job fails."""
+    r = renderer
+    inference_up(r)
+    r.on_event(m.LiveState(rid="", boot="inf-1", sessions=()))
+    r.on_event(m.PersisterState(boot="p-1", index=m.IndexSnapshot(entries=(), version=1)))
+    request(r, "slow")
+    p = r.running["slow"]
+    r.on_event(m.Begun(rid="slow", cached=0, prompt_tokens=900))
+    for step_s in (2.0, 4.0):
+        r.last_heard -= rs.INFERENCE_SILENCE_S + 1
+        p.since = time.monotonic()
+        r.on_event(m.InferenceBusy(boot="inf-1", step_s=step_s))
+        r.housekeeping()
+        assert "slow" in r.running and not r.out.of("web", m.Failed)
+    for busy in (m.InferenceBusy(boot="inf-1", step_s=rs.STEP_LIMIT_S + 1), m.InferenceBusy(boot="gone", step_s=3.0)):
+        r.last_heard -= rs.INFERENCE_SILENCE_S + 1
+        r.on_event(busy)
+        assert time.monotonic() - r.last_heard > rs.INFERENCE_SILENCE_S
+    r.housekeeping()
+    assert "slow" not in r.running and "has not answered" in r.out.of("web", m.Failed)[-1].message
