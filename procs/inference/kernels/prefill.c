@@ -209,11 +209,15 @@ static void pv(int m, const float *p, int D, const float *vb, float *o) {
         }
 }
 
-/* The block's n valid rows of K (transposed to kt [D][NK]) and V (vb [NK][D]) in f32, rows
- * n..NK-1 zero (they are masked, and must not be NaN: 0 * NaN is not 0). kr: [NK][D]. */
-static void widen(const char *kp, const char *vp, int bf16, int n, int D, float *restrict kr,
-                  float *restrict kt, float *restrict vb) {
-    if (bf16) {
+/* The block's n valid rows of K (transposed to kt [D][NK]) and V ([NK][D]) in f32, rows
+ * n..NK-1 zero (they are masked, and must not be NaN: 0 * NaN is not 0). kr: [NK][D]. Returns
+ * where V's rows are: the cache itself for a whole f32 block, else vb. */
+static const float *widen(const char *kp, const char *vp, int bf16, int n, int D, float *kr,
+                          float *restrict kt, float *vb) {
+    if (!bf16 && n == NK) {     /* read in place */
+        kr = (float *)kp;
+        vb = (float *)vp;
+    } else if (bf16) {
         const uint16_t *kx = (const uint16_t *)kp, *vx = (const uint16_t *)vp;
         for (long i = 0; i < (long)n * D; i++) kr[i] = bf16_to_f32(kx[i]);
         for (long i = 0; i < (long)n * D; i++) vb[i] = bf16_to_f32(vx[i]);
@@ -221,8 +225,10 @@ static void widen(const char *kp, const char *vp, int bf16, int n, int D, float 
         memcpy(kr, kp, sizeof(float) * n * D);
         memcpy(vb, vp, sizeof(float) * n * D);
     }
-    memset(kr + (long)n * D, 0, sizeof(float) * (NK - n) * D);
-    memset(vb + (long)n * D, 0, sizeof(float) * (NK - n) * D);
+    if (n < NK) {
+        memset(kr + (long)n * D, 0, sizeof(float) * (NK - n) * D);
+        memset(vb + (long)n * D, 0, sizeof(float) * (NK - n) * D);
+    }
 #ifdef VW
     if (D % VW == 0) {
         for (int j0 = 0; j0 < NK; j0 += VW)
@@ -232,11 +238,12 @@ static void widen(const char *kp, const char *vp, int bf16, int n, int D, float 
                 transpose(t);
                 for (int d = 0; d < VW; d++) VSTOREU(kt + (long)(d0 + d) * NK + j0, t[d]);
             }
-        return;
+        return vb;
     }
 #endif
     for (int j = 0; j < NK; j++)
         for (int d = 0; d < D; d++) kt[(long)d * NK + j] = kr[(long)j * D + d];
+    return vb;
 }
 
 /* Row weights for one block: s -> exp(s - new max) on the keys lo..hi the row may see, 0
@@ -244,14 +251,23 @@ static void widen(const char *kp, const char *vp, int bf16, int n, int D, float 
 static inline void softmax_row(float *restrict s, int lo, int hi, float *m, float *l, float *restrict o, int D,
                                int round) {
     float mb = -FLT_MAX, sum = 0.0f;
+#pragma omp simd reduction(max:mb)
     for (int j = lo; j <= hi; j++) mb = s[j] > mb ? s[j] : mb;
     const float mn = mb > *m ? mb : *m, alpha = exp_nonpos(*m - mn);
+    if (lo == 0 && hi == NK - 1 && !round) {     /* a whole block: no masking (most blocks) */
 #pragma omp simd reduction(+:sum)
-    for (int j = 0; j < NK; j++) {
-        float p = j >= lo && j <= hi ? exp_nonpos(s[j] - mn) : 0.0f;
-        if (round) p = bf16_to_f32(f32_to_bf16(p));
-        s[j] = p;
-        sum += p;
+        for (int j = 0; j < NK; j++) {
+            s[j] = exp_nonpos(s[j] - mn);
+            sum += s[j];
+        }
+    } else {
+#pragma omp simd reduction(+:sum)
+        for (int j = 0; j < NK; j++) {
+            float p = j >= lo && j <= hi ? exp_nonpos(s[j] - mn) : 0.0f;
+            if (round) p = bf16_to_f32(f32_to_bf16(p));
+            s[j] = p;
+            sum += p;
+        }
     }
     if (alpha != 1.0f)
         for (int d = 0; d < D; d++) o[d] *= alpha;
@@ -286,13 +302,14 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
     j0 = j0 < 0 ? 0 : j0 / NK * NK;
     for (; j0 <= last; j0 += NK) {
         const int n = last + 1 - j0 < NK ? last + 1 - j0 : NK;
+        const float *vrows = vb;
 #if DP
         if (dp)
             pack_bf((const uint16_t *)k + (long)j0 * D, (const uint16_t *)v + (long)j0 * D, n, D, (uint32_t *)kt,
                     (uint32_t *)vb);
         else
 #endif
-            widen(k + (long)j0 * D * esz, v + (long)j0 * D * esz, bf16, n, D, kr, kt, vb);
+            vrows = widen(k + (long)j0 * D * esz, v + (long)j0 * D * esz, bf16, n, D, kr, kt, vb);
         for (int r0 = 0; r0 < rows; r0 += RT) {
             const int M = rows - r0 < RT ? rows - r0 : RT;
             int any = 0;
@@ -325,7 +342,7 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
                 pv_bf(M, p2 + (long)r0 * NK / 2, D, (const uint32_t *)vb, O + (long)r0 * D);
             } else
 #endif
-                pv(M, S + (long)r0 * NK, D, vb, O + (long)r0 * D);
+                pv(M, S + (long)r0 * NK, D, vrows, O + (long)r0 * D);
         }
     }
     for (int r = 0; r < rows; r++) {
