@@ -32,6 +32,12 @@
 #define MAXG 16
 #define MAXD 256
 
+/* F(M, ...) for the row count m of a tile (1..RT), M a compile-time constant */
+#define TILE_CASES(F, ...) switch (m) { \
+    case 1: F(1, __VA_ARGS__); break; case 2: F(2, __VA_ARGS__); break; case 3: F(3, __VA_ARGS__); break; \
+    case 4: F(4, __VA_ARGS__); break; case 5: F(5, __VA_ARGS__); break; case 6: F(6, __VA_ARGS__); break; }
+
+
 #ifdef VW
 #define NV (VW == 16 ? 4 : 2)   /* vectors per strip: RT * NV accumulators fit the registers */
 #define SW (NV * VW)            /* keys (scores) or head dims (PV) per strip */
@@ -127,10 +133,6 @@ static inline __attribute__((always_inline)) void pv_tile_bf(const int M, const 
     }
 }
 
-#define TILE_CASES(F, ...) switch (m) { \
-    case 1: F(1, __VA_ARGS__); break; case 2: F(2, __VA_ARGS__); break; case 3: F(3, __VA_ARGS__); break; \
-    case 4: F(4, __VA_ARGS__); break; case 5: F(5, __VA_ARGS__); break; case 6: F(6, __VA_ARGS__); break; }
-
 static void scores_bf(int m, const uint32_t *q2, int D2, const uint32_t *kp, float scale, float *s) {
     TILE_CASES(score_tile_bf, q2, D2, kp, scale, s)
 }
@@ -170,14 +172,8 @@ static void pack_bf(const uint16_t *k, const uint16_t *v, int n, int D, uint32_t
 static void scores(int m, const float *q, int D, const float *kt, float *s) {
 #ifdef VW
     if (D % SW == 0) {
-        switch (m) {
-        case 1: score_tile(1, q, D, kt, s); return;
-        case 2: score_tile(2, q, D, kt, s); return;
-        case 3: score_tile(3, q, D, kt, s); return;
-        case 4: score_tile(4, q, D, kt, s); return;
-        case 5: score_tile(5, q, D, kt, s); return;
-        case 6: score_tile(6, q, D, kt, s); return;
-        }
+        TILE_CASES(score_tile, q, D, kt, s)
+        return;
     }
 #endif
     for (int i = 0; i < m; i++)
@@ -191,14 +187,8 @@ static void scores(int m, const float *q, int D, const float *kt, float *s) {
 static void pv(int m, const float *p, int D, const float *vb, float *o) {
 #ifdef VW
     if (D % SW == 0) {
-        switch (m) {
-        case 1: pv_tile(1, p, D, vb, o); return;
-        case 2: pv_tile(2, p, D, vb, o); return;
-        case 3: pv_tile(3, p, D, vb, o); return;
-        case 4: pv_tile(4, p, D, vb, o); return;
-        case 5: pv_tile(5, p, D, vb, o); return;
-        case 6: pv_tile(6, p, D, vb, o); return;
-        }
+        TILE_CASES(pv_tile, p, D, vb, o)
+        return;
     }
 #endif
     for (int i = 0; i < m; i++)
