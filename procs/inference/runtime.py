@@ -31,7 +31,8 @@ def cpu_has_fast_bf16() -> bool:
 
 def native_prefill(s: Settings, dtype: torch.dtype) -> bool:
     """Whether prefill's attention runs in kernels/prefill.c rather than torch's SDPA. auto:
-    except in bf16 on AMX, where oneDNN's tile GEMMs under SDPA outrun f32 FMA tiles."""
+    except in bf16 on AMX, where SDPA's GEMMs run on oneDNN's tiles (expected to win there; not
+    measured yet: bench/bench_prefill.py on such a machine decides)."""
     if s.prefill_attention == "auto":
         return not (dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags())
     return s.prefill_attention == "native"
