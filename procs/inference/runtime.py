@@ -16,16 +16,8 @@ from procs.inference.packcache import PackCache, cache_file
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 def cpu_has_fast_bf16() -> bool:
-    flags = _cpu_flags()
+    flags = native.cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -34,7 +26,7 @@ def native_prefill(s: Settings, dtype: torch.dtype) -> bool:
     except in bf16 on AMX, where SDPA's GEMMs run on oneDNN's tiles (expected to win there; not
     measured yet: bench/bench_prefill.py on such a machine decides)."""
     if s.prefill_attention == "auto":
-        return not (dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags())
+        return not (dtype == torch.bfloat16 and "amx_bf16" in native.cpu_flags())
     return s.prefill_attention == "native"
 
 

@@ -1,4 +1,4 @@
-"""Prefill's native attention (kernels/prefill.c through native.PrefillAttention): causal and
+"""Prefill's native attention (kernels/prefill.c through native_attention.PrefillAttention): causal and
 sliding-window attention of T rows at positions pos..pos+T-1 against the cache, equal to SDPA
 on the same values for every head layout and head dim (GQA, vector tails), from f32 and bf16
 caches; a row never sees a later key or an unwritten row; and each row's bits do not depend on
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from procs.inference import native
 from procs.inference.model import _mask
+from procs.inference.native_attention import PrefillAttention
 
 # (H, KV, D): SmolLM2, Gemma 3, Qwen2.5-0.5B, no GQA, head dims with a vector tail, G = 16
 LAYOUTS = ((9, 3, 64), (4, 1, 256), (14, 2, 64), (8, 8, 128), (4, 2, 80), (6, 2, 24), (16, 1, 128))
@@ -23,7 +24,7 @@ LAYOUTS = ((9, 3, 64), (4, 1, 256), (14, 2, 64), (8, 8, 128), (4, 2, 80), (6, 2,
 CALLS = ((0, 1, 0), (0, 77, 0), (100, 300, 0), (512, 512, 0), (0, 600, 512), (700, 200, 512), (1000, 40, 100))
 
 
-def kernel() -> native.PrefillAttention:
+def kernel() -> PrefillAttention:
     k = native.load()
     assert k is not None, "the native kernels did not build"
     return k.prefill

@@ -1,0 +1,74 @@
+"""The attention kernels' Python side: argument checks and calls into the built library
+(procs/inference/native.py builds and loads it)."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+
+class DecodeAttention:
+    """q [H, D] against k, v [KV, S, D] (views of the cache: rows contiguous, heads strided)
+    -> [1, H*D] in q's dtype. The same contract as model._decode_attention."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.fn = lib.decode_attention
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_int] * 4 + \
+            [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        self.size = lib.decode_attention_scratch
+        self.size.restype = ctypes.c_long
+        self.size.argtypes = [ctypes.c_int] * 4
+        self.scratch = torch.empty(0)
+
+    @staticmethod
+    def takes(G: int, D: int) -> bool:
+        return 1 <= G <= 16 and 1 <= D <= 256     # attention.c MAXG, MAXD
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        H, D = q.shape
+        KV, S = k.shape[0], k.shape[1]
+        if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(2) != 1 or k.stride(1) != D \
+                or v.stride() != k.stride() or v.dtype != k.dtype:
+            raise ValueError("native decode attention needs bf16/f32 K/V with contiguous rows")
+        need = self.size(KV, H // KV, D, S)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need * 2)    # grows geometrically with the context
+        qf = q.float().contiguous()
+        out = torch.empty(H * D)
+        rc = self.fn(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), KV, H // KV, D, S,
+                     scale, int(k.dtype == torch.bfloat16), out.data_ptr(), self.scratch.data_ptr())
+        if rc:
+            raise ValueError(f"native decode attention does not take G={H // KV}, D={D}")
+        return out.to(q.dtype).view(1, H * D)
+
+
+class PrefillAttention:
+    """q [T, H, D] at positions pos..pos+T-1 against k, v [KV, cap, D] (a layer's cache,
+    rows 0..pos+T-1 written) -> [T, H*D] in q's dtype: causal, window > 0 a sliding window
+    (kernels/prefill.c). Each row's bits do not depend on how the prompt was split."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.fn = lib.prefill_attention
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_int] * 7 + \
+            [ctypes.c_float, ctypes.c_void_p]
+
+    @staticmethod
+    def takes(G: int, D: int) -> bool:
+        return 1 <= G <= 16 and 1 <= D <= 256     # prefill.c MAXG, MAXD
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: int,
+                 scale: float) -> torch.Tensor:
+        T, H, D = q.shape
+        KV = k.shape[0]
+        if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(2) != 1 or k.stride(1) != D \
+                or v.stride() != k.stride() or v.dtype != k.dtype or k.shape[1] < pos + T:
+            raise ValueError("native prefill attention needs bf16/f32 K/V with contiguous rows")
+        qf = q.float().contiguous()
+        out = torch.empty(T, H * D)
+        rc = self.fn(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), int(k.dtype == torch.bfloat16),
+                     KV, H // KV, D, T, pos, window, scale, out.data_ptr())
+        if rc:
+            raise ValueError(f"native prefill attention does not take G={H // KV}, D={D}")
+        return out.to(q.dtype)
