@@ -29,7 +29,7 @@ serve: model
 
 test: model
 	@$(BIN)/python -c "from procs.inference.runtime import describe; print(describe())"
-	$(BIN)/python -m pytest -x -q -rsx tests
+	$(BIN)/python -m pytest -x -q -rsx --durations=30 tests
 
 # the whole stress campaign (`make test` runs its fast subset); numbers in bench/RESULTS-stress.md
 stress: model
