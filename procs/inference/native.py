@@ -31,7 +31,7 @@ log = logging.getLogger("ricordo.native")
 
 DIR = Path(__file__).with_name("kernels")
 SOURCES = ("attention.c", "prefill.c", "gemv.c", "decode.c")
-HEADERS = ("kernels.h", "simd.h")
+HEADERS = ("kernels.h", "simd.h", "pairs.h")
 # -fassociative-math (with what it requires) lets the dot products and sums vectorize; a build
 # is still one fixed instruction sequence, so its results are deterministic.
 # RICORDO_KERNEL_MARCH picks another target (haswell: the AVX2 paths on an AVX-512 machine;

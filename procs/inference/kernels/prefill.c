@@ -25,6 +25,7 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include "pairs.h"
 
 #define NK 64      /* keys per block */
 #define QB 32      /* query positions per task */
@@ -84,86 +85,14 @@ static inline __attribute__((always_inline)) void pv_tile(const int M, const flo
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if PAIRS
 #define DP 1
-/* bf16 caches on CPUs with vdpbf16ps: each instruction sums the products of a pair of bf16
- * values into an f32 lane, twice the FMA tiles' rate. q, K and V are the bf16 values the model
- * computed (q exactly: widened from bf16 by the caller); the weights are rounded to bf16, their
- * sum from the rounded values, so a row's weights still sum to its divisor. Pairs are uint32:
- * the lower-indexed value in the low half. */
-typedef __m512bh VB;
-
-/* s[i][j] = scale * q[i] . k[j]: q2 [M][D/2] pairs of d, kp [D/2][NK] pairs of key j */
-static inline __attribute__((always_inline)) void score_tile_bf(const int M, const uint32_t *restrict q2, int D2,
-                                                                const uint32_t *restrict kp, float scale,
-                                                                float *restrict s) {
-    __m512 acc[RT][4];
-    for (int i = 0; i < M; i++)
-        for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
-    for (int d = 0; d < D2; d++) {
-        VB k[4];
-        for (int v = 0; v < 4; v++) k[v] = (VB)_mm512_loadu_si512(kp + (long)d * NK + v * 16);
-        for (int i = 0; i < M; i++) {
-            const VB x = (VB)_mm512_set1_epi32((int)q2[(long)i * D2 + d]);
-            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], x, k[v]);
-        }
-    }
-    for (int i = 0; i < M; i++)
-        for (int v = 0; v < 4; v++) _mm512_storeu_ps(s + (long)i * NK + v * 16, _mm512_mul_ps(acc[i][v], _mm512_set1_ps(scale)));
-}
-
-/* o[i] += sum over key pairs, in order, of p[i] . v: p2 [M][NK/2] pairs of keys, vp [NK/2][D]
- * pairs of keys for each d; strips of 64 d */
-static inline __attribute__((always_inline)) void pv_tile_bf(const int M, const uint32_t *restrict p2, int D,
-                                                             const uint32_t *restrict vp, float *restrict o) {
-    for (int d0 = 0; d0 < D; d0 += 64) {
-        __m512 acc[RT][4];
-        for (int i = 0; i < M; i++)
-            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_loadu_ps(o + (long)i * D + d0 + v * 16);
-        for (int j = 0; j < NK / 2; j++) {
-            VB x[4];
-            for (int v = 0; v < 4; v++) x[v] = (VB)_mm512_loadu_si512(vp + (long)j * D + d0 + v * 16);
-            for (int i = 0; i < M; i++) {
-                const VB w = (VB)_mm512_set1_epi32((int)p2[(long)i * (NK / 2) + j]);
-                for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], w, x[v]);
-            }
-        }
-        for (int i = 0; i < M; i++)
-            for (int v = 0; v < 4; v++) _mm512_storeu_ps(o + (long)i * D + d0 + v * 16, acc[i][v]);
-    }
-}
-
 static void scores_bf(int m, const uint32_t *q2, int D2, const uint32_t *kp, float scale, float *s) {
-    TILE_CASES(score_tile_bf, q2, D2, kp, scale, s)
+    PAIR_TILES(score_tile_bf, q2, D2, D2, kp, NK, scale, s, NK)
 }
 
 static void pv_bf(int m, const uint32_t *p2, int D, const uint32_t *vp, float *o) {
-    TILE_CASES(pv_tile_bf, p2, D, vp, o)
-}
-
-/* The block's n valid rows as pairs: kp [D/2][NK] (16 x 16 transposes of uint32), vp [NK/2][D]
- * (two rows interleaved); rows n..NK-1 zero. D % 64 == 0. */
-static void pack_bf(const uint16_t *k, const uint16_t *v, int n, int D, uint32_t *restrict kp,
-                    uint32_t *restrict vp) {
-    const int D2 = D / 2;
-    for (int j0 = 0; j0 < NK; j0 += 16)
-        for (int d0 = 0; d0 < D2; d0 += 16) {
-            __m512 t[16];
-            for (int j = 0; j < 16; j++)
-                t[j] = j0 + j < n ? _mm512_loadu_ps((const float *)(k + (long)(j0 + j) * D) + d0) : _mm512_setzero_ps();
-            transpose(t);
-            for (int d = 0; d < 16; d++) _mm512_storeu_ps((float *)(kp + (long)(d0 + d) * NK + j0), t[d]);
-        }
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (int j = 0; j < NK / 2; j++)
-        for (int d0 = 0; d0 < D; d0 += 32) {
-            const __m512i a = 2 * j < n ? _mm512_loadu_si512(v + (long)(2 * j) * D + d0) : _mm512_setzero_si512();
-            const __m512i b = 2 * j + 1 < n ? _mm512_loadu_si512(v + (long)(2 * j + 1) * D + d0) : _mm512_setzero_si512();
-            _mm512_storeu_si512(vp + (long)j * D + d0, _mm512_permutex2var_epi16(a, lo, b));
-            _mm512_storeu_si512(vp + (long)j * D + d0 + 16, _mm512_permutex2var_epi16(a, hi, b));
-        }
+    PAIR_TILES(pv_tile_bf, p2, NK / 2, NK / 2, D, vp, o)
 }
 #else
 #define DP 0
@@ -295,8 +224,8 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
         const float *vrows = vb;
 #if DP
         if (dp)
-            pack_bf((const uint16_t *)k + (long)j0 * D, (const uint16_t *)v + (long)j0 * D, n, D, (uint32_t *)kt,
-                    (uint32_t *)vb);
+            pack_pairs((const uint16_t *)k + (long)j0 * D, (const uint16_t *)v + (long)j0 * D, n, NK, D,
+                       (uint32_t *)kt, (uint32_t *)vb);
         else
 #endif
             vrows = widen(k + (long)j0 * D * esz, v + (long)j0 * D * esz, bf16, n, D, kr, kt, vb);
@@ -327,8 +256,7 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
             }
 #if DP
             if (dp) {    /* the rounded weights as pairs: exact */
-                for (long i = (long)r0 * NK; i < (long)(r0 + M) * NK; i += 2)
-                    p2[i / 2] = f32_to_bf16(S[i]) | (uint32_t)f32_to_bf16(S[i + 1]) << 16;
+                pair_up(S + (long)r0 * NK, M * NK / 2, p2 + (long)r0 * NK / 2);
                 pv_bf(M, p2 + (long)r0 * NK / 2, D, (const uint32_t *)vb, O + (long)r0 * D);
             } else
 #endif
