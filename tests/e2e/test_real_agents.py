@@ -21,8 +21,10 @@ compaction reacts to.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -59,8 +61,15 @@ def workdir(tmp: Path) -> Path:
 def run(cmd: list, env: dict, cwd: Path) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_"))}
     full_env.update(env)
-    return subprocess.run(cmd, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
+    p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=RUN_TIMEOUT_S)
+    finally:   # whatever the agent left running (its native binary, tool processes) goes too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def serve(tmp_path, ctx: int, n_predict: int = 256, model: str = "") -> Server:
@@ -189,12 +198,15 @@ def until_round_trip(cmd: list, env: dict, cwd: Path, trace: Path) -> str:
     full_env.update(env)
     out = cwd.parent / "agent.out"
     with open(out, "w") as f:
+        # its own process group: the npm launcher starts the agent's native binary as a child,
+        # which killing the launcher alone would leave running
         p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=f,
-                             stderr=subprocess.DEVNULL, text=True)
+                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         deadline = time.monotonic() + ROUND_TRIP_S
         while p.poll() is None and time.monotonic() < deadline and not replayed(trace):
             time.sleep(1)
-        p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     return out.read_text()
 

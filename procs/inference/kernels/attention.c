@@ -306,14 +306,7 @@ int decode_attention_many(int B, const float *const *q, const void *const *k, co
                 continue;
             }
 #endif
-            if (bf16) {
-                const uint16_t *kx = (const uint16_t *)kp, *vx = (const uint16_t *)vp;
-                for (long i = 0; i < (long)n * D; i++) kbuf[i] = bf16_to_f32(kx[i]);
-                for (long i = 0; i < (long)n * D; i++) vbuf[i] = bf16_to_f32(vx[i]);
-            } else {
-                memcpy(kbuf, kp, sizeof(float) * n * D);
-                memcpy(vbuf, vp, sizeof(float) * n * D);
-            }
+            widen_rows(kp, vp, bf16, (long)n * D, kbuf, vbuf);
             partials(nq, qs, ps, kbuf, vbuf, D, n, scale);
         }
     }

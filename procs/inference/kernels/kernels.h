@@ -48,4 +48,16 @@ static inline uint16_t f32_to_bf16(float f) {
     c.f = f;
     return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
 }
+
+/* count values of K and V rows (bf16 or f32) into f32 buffers kr and vb */
+static inline void widen_rows(const void *k, const void *v, int bf16, long count, float *kr, float *vb) {
+    if (bf16) {
+        const uint16_t *kx = (const uint16_t *)k, *vx = (const uint16_t *)v;
+        for (long i = 0; i < count; i++) kr[i] = bf16_to_f32(kx[i]);
+        for (long i = 0; i < count; i++) vb[i] = bf16_to_f32(vx[i]);
+    } else {
+        for (long i = 0; i < count; i++) kr[i] = ((const float *)k)[i];
+        for (long i = 0; i < count; i++) vb[i] = ((const float *)v)[i];
+    }
+}
 #endif

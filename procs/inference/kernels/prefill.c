@@ -86,6 +86,8 @@ static inline __attribute__((always_inline)) void pv_tile(const int M, const flo
 #endif
 
 #if PAIRS
+/* bf16 caches where the CPU has avx512_bf16: the products on bf16 pairs (pairs.h), a block
+ * packed once per task (kt: K's pairs [D/2][NK], vb: V's [NK/2][D]) */
 #define DP 1
 static void scores_bf(int m, const uint32_t *q2, int D2, const uint32_t *kp, float scale, float *s) {
     PAIR_TILES(score_tile_bf, q2, D2, D2, kp, NK, scale, s, NK)
@@ -136,13 +138,8 @@ static const float *widen(const char *kp, const char *vp, int bf16, int n, int D
     if (!bf16 && n == NK) {     /* read in place */
         kr = (float *)kp;
         vb = (float *)vp;
-    } else if (bf16) {
-        const uint16_t *kx = (const uint16_t *)kp, *vx = (const uint16_t *)vp;
-        for (long i = 0; i < (long)n * D; i++) kr[i] = bf16_to_f32(kx[i]);
-        for (long i = 0; i < (long)n * D; i++) vb[i] = bf16_to_f32(vx[i]);
     } else {
-        memcpy(kr, kp, sizeof(float) * n * D);
-        memcpy(vb, vp, sizeof(float) * n * D);
+        widen_rows(kp, vp, bf16, (long)n * D, kr, vb);
     }
     if (n < NK) {
         memset(kr + (long)n * D, 0, sizeof(float) * (NK - n) * D);
