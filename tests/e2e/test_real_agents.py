@@ -17,7 +17,7 @@ exits 1 with "exceeded the ... output token maximum", which the test accepts and
 small models seldom call a tool on their own, so a tool round trip is not asserted here (the
 recorded requests of tests/e2e/test_agent_fixtures.py carry one through the server). At 12k
 the default model shows Claude Code's overflow path: Anthropic's error, the one its
-compaction reacts to.
+compaction reacts to; at 8k, Codex's: its own context-window message, no retry loop.
 """
 from __future__ import annotations
 
@@ -120,6 +120,27 @@ def test_codex_cli_two_sessions(tmp_path):
         first, second = usages
         assert first["input_tokens"] > 8000
         assert second["cached_input_tokens"] >= 0.9 * first["input_tokens"], usages
+
+
+def test_codex_cli_overflow_at_8k(tmp_path):
+    """Codex's prompt (~9.4k tokens) does not fit 8k: the server's context error is one Codex
+    recognizes (its own message, not a crash or a retry loop), and the server stays up."""
+    codex = need("codex")
+    home = tmp_path / "codexhome"
+    home.mkdir()
+    work = workdir(tmp_path)
+    with serve(tmp_path, 8192, n_predict=32) as srv:
+        (home / "config.toml").write_text(
+            'model = "smollm2"\nmodel_provider = "ricordo"\nmodel_context_window = 8192\n\n'
+            '[model_providers.ricordo]\nname = "ricordo"\n'
+            f'base_url = "{srv.base_url}/v1"\nwire_api = "responses"\nenv_key = "RICORDO_API_KEY"\n')
+        env = {"CODEX_HOME": str(home), "RICORDO_API_KEY": "x", "HOME": str(tmp_path)}
+        p = run([str(codex), "exec", "--json", "--skip-git-repo-check", "-s", "workspace-write", ASK], env, work)
+        failed = [json.loads(ln)["error"]["message"] for ln in p.stdout.splitlines()
+                  if ln.startswith("{") and json.loads(ln).get("type") == "turn.failed"]
+        assert p.returncode != 0 and failed, p.stdout[-3000:] + p.stderr[-3000:]
+        assert "context window" in failed[0], failed
+        assert srv.running()
 
 
 def claude(tmp_path, srv: Server, work: Path):
