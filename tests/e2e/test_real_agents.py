@@ -17,7 +17,7 @@ exits 1 with "exceeded the ... output token maximum", which the test accepts and
 small models seldom call a tool on their own, so a tool round trip is not asserted here (the
 recorded requests of tests/e2e/test_agent_fixtures.py carry one through the server). At 12k
 the default model shows Claude Code's overflow path: Anthropic's error, the one its
-compaction reacts to; at 8k, Codex's: its own context-window message, no retry loop.
+compaction reacts to; at 8k, Codex's: its own context-window message.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_codex_cli_two_sessions(tmp_path):
 
 def test_codex_cli_overflow_at_8k(tmp_path):
     """Codex's prompt (~9.4k tokens) does not fit 8k: the server's context error is one Codex
-    recognizes (its own message, not a crash or a retry loop), and the server stays up."""
+    recognizes (its own message, not a crash), and the server stays up."""
     codex = need("codex")
     home = tmp_path / "codexhome"
     home.mkdir()
