@@ -19,7 +19,13 @@ conversations are resident:
   resident) and the tokens reported cached;
 - the inference process's peak RSS, against its RSS after the first turns plus the K/V budget.
 
-    .venv/bin/python bench/bench_parallel.py [--conversations 4] [--turns 4] [--shared-system] [--json]
+    .venv/bin/python bench/bench_parallel.py [--conversations 4] [--turns 4] [--shared-system] [--tool-ms 0] [--json]
+
+Without --tool-ms every answer has the same length and the next turn follows at once, so
+the conversations' turns arrive together, their prefills queue, and the TTFT ratio is that
+of a burst. --tool-ms N puts 0.5-1.5 x N ms (seeded per conversation) before each later turn,
+as an agent running a tool does, so turns arrive apart; the waits count in both phases' wall
+time, which lowers the aggregate figures of one conversation more than those of several.
 
 --shared-system gives every conversation the same system prompt, as one agent's sessions
 have (their own first task and turns after it): their sessions start from copies of its rows,
@@ -28,6 +34,7 @@ and the batched decode step reads those rows once for all of them.
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import statistics
 import sys
@@ -96,10 +103,13 @@ def phase(srv: Server, trace: Path, seeds: list[int], args) -> dict:
         if args.shared_system:     # one agent's sessions: its system prompt, their own tasks
             system = conversation(0, args.system_words, args.turn_words, 1)[0]
             users[0] = f"Explain in detail what the module src/part{seed}.py does and how to test it."
-        convs.append({"messages": [{"role": "system", "content": system}], "users": users, "turns": []})
+        convs.append({"messages": [{"role": "system", "content": system}], "users": users, "turns": [],
+                      "rng": random.Random(seed)})
 
     def run_turns(c, turns):
         for u in turns:
+            if args.tool_ms and c["turns"]:     # the agent runs a tool on the last answer first
+                time.sleep(c["rng"].uniform(0.5, 1.5) * args.tool_ms / 1000)
             c["messages"].append({"role": "user", "content": u})
             r = turn(srv.client(), c["messages"], args.answer_tokens)
             c["messages"].append({"role": "assistant", "content": r["answer"]})
@@ -143,6 +153,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shared-system", action="store_true",
                     help="every conversation has the same system prompt (one agent's sessions); their "
                          "batched decode then reads its rows once a step")
+    ap.add_argument("--tool-ms", type=int, default=0,
+                    help="after each answer a conversation waits 0.5-1.5x this many ms (its agent running a "
+                         "tool), so the turns of several conversations arrive apart, not together; the "
+                         "waits are inside the wall time of both phases")
     ap.add_argument("--kv-ram-mb", type=int, default=1024, help="the K/V budget of resident sessions")
     ap.add_argument("--trace", default="", help="keep the cache trace in this file")
     ap.add_argument("--json", action="store_true")
@@ -167,7 +181,7 @@ def main(argv=None) -> int:
             many = phase(srv, trace, [2000 + i for i in range(n)], args)
             peak.stop.set()
             info = srv.http().get("/health").json()
-    res = {"cpu": cpu_name(), "shared_system": args.shared_system, "dtype": info.get("dtype"), "model": info.get("model"), "alone": alone, "many": many,
+    res = {"cpu": cpu_name(), "shared_system": args.shared_system, "tool_ms": args.tool_ms, "dtype": info.get("dtype"), "model": info.get("model"), "alone": alone, "many": many,
            "aggregate_ratio": many["aggregate_tok_s"] / alone["aggregate_tok_s"],
            "ttft_ratio": many["ttft_p50_s"] / alone["ttft_p50_s"],
            "decode_ratio": many["decode_tok_s"] / alone["decode_tok_s"],
@@ -184,7 +198,9 @@ def main(argv=None) -> int:
     txt = "\n".join([f"CPU: {res['cpu']}; dtype {res['dtype']}; model {res['model']}; first prompts "
                      f"~{many['first_prompt_tokens']:.0f} tokens"
                      f"{' (one system prompt)' if args.shared_system else ''}; {args.turns - 1} later turns each, "
-                     f"{args.answer_tokens} answer tokens", ""] +
+                     f"{args.answer_tokens} answer tokens"
+                     f"{f'; {args.tool_ms} ms (0.5-1.5x) of tool time after each answer' if args.tool_ms else ''}",
+                     ""] +
                     [f"| {' | '.join(r)} |" for r in rows[:1]] + ["|---|---|---|---|"] +
                     [f"| {' | '.join(r)} |" for r in rows[1:]] +
                     ["", f"inference peak RSS {res['peak_rss_mib']:.0f} MiB; after load and one short answer "
