@@ -48,8 +48,9 @@ KIND_NAMES = ("f32", "bf16", "int4", "int8", "q5")          # by kind, for logs 
 ACTS = {"silu": 0, "gelu_tanh": 1}                  # decode.c ACT_*
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """The flags line of /proc/cpuinfo ("" where there is none)."""
+    """The flags line of /proc/cpuinfo ("" where there is none); read once a process."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((ln for ln in f if ln.startswith("flags")), "")

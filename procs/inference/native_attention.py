@@ -6,6 +6,19 @@ import ctypes
 
 import torch
 
+MAXG, MAXD = 16, 256       # attention.c's and prefill.c's MAXG, MAXD
+
+
+def takes(G: int, D: int) -> bool:
+    """Whether the kernels' task buffers hold a model's grouping and head dim."""
+    return 1 <= G <= MAXG and 1 <= D <= MAXD
+
+
+def _check_kv(k: torch.Tensor, v: torch.Tensor, D: int, what: str) -> None:
+    if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(2) != 1 or k.stride(1) != D \
+            or v.stride() != k.stride() or v.dtype != k.dtype:
+        raise ValueError(f"native {what} attention needs bf16/f32 K/V with contiguous rows")
+
 
 class DecodeAttention:
     """q [H, D] against k, v [KV, S, D] (views of the cache: rows contiguous, heads strided)
@@ -21,16 +34,12 @@ class DecodeAttention:
         self.size.argtypes = [ctypes.c_int] * 4
         self.scratch = torch.empty(0)
 
-    @staticmethod
-    def takes(G: int, D: int) -> bool:
-        return 1 <= G <= 16 and 1 <= D <= 256     # attention.c MAXG, MAXD
+    takes = staticmethod(takes)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         H, D = q.shape
         KV, S = k.shape[0], k.shape[1]
-        if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(2) != 1 or k.stride(1) != D \
-                or v.stride() != k.stride() or v.dtype != k.dtype:
-            raise ValueError("native decode attention needs bf16/f32 K/V with contiguous rows")
+        _check_kv(k, v, D, "decode")
         need = self.size(KV, H // KV, D, S)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need * 2)    # grows geometrically with the context
@@ -54,17 +63,15 @@ class PrefillAttention:
         self.fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_int] * 7 + \
             [ctypes.c_float, ctypes.c_void_p]
 
-    @staticmethod
-    def takes(G: int, D: int) -> bool:
-        return 1 <= G <= 16 and 1 <= D <= 256     # prefill.c MAXG, MAXD
+    takes = staticmethod(takes)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: int,
                  scale: float) -> torch.Tensor:
         T, H, D = q.shape
         KV = k.shape[0]
-        if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(2) != 1 or k.stride(1) != D \
-                or v.stride() != k.stride() or v.dtype != k.dtype or k.shape[1] < pos + T:
-            raise ValueError("native prefill attention needs bf16/f32 K/V with contiguous rows")
+        _check_kv(k, v, D, "prefill")
+        if k.shape[1] < pos + T:
+            raise ValueError(f"the cache holds {k.shape[1]} rows, not the {pos + T} prefill attends to")
         qf = q.float().contiguous()
         out = torch.empty(T, H * D)
         rc = self.fn(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), int(k.dtype == torch.bfloat16),
