@@ -30,7 +30,7 @@ from procs.inference.native_attention import DecodeAttention, PrefillAttention
 log = logging.getLogger("ricordo.native")
 
 DIR = Path(__file__).with_name("kernels")
-SOURCES = ("attention.c", "prefill.c", "gemv.c", "decode.c")
+SOURCES = ("attention.c", "prefill.c", "gemv.c", "qdot.c", "decode.c")
 HEADERS = ("kernels.h", "simd.h", "pairs.h")
 # -fassociative-math (with what it requires) lets the dot products and sums vectorize; a build
 # is still one fixed instruction sequence, so its results are deterministic.
@@ -41,6 +41,7 @@ FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fPIC", "-shared", "-fno-math-er
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 CC = os.environ.get("CC", "gcc")
 GROUP = 32                                          # kernels.h GROUP
+QROWS = 16                                          # kernels.h QROWS: int4 rows per block
 ATT_CHUNK = 128                                     # kernels.h ATT_CHUNK: attention rows per task
 MAT_F32, MAT_BF16, MAT_Q4, MAT_Q8, MAT_Q5 = range(5)       # kernels.h Mat kinds
 QUANTIZED = (MAT_Q4, MAT_Q8, MAT_Q5)                         # kinds that are the weight's only copy
@@ -101,14 +102,16 @@ class ModelW(ctypes.Structure):
 
 
 class Packed(NamedTuple):
-    """A weight as decode.c reads it: kind, the tensors holding it (kept alive here)."""
+    """A weight as decode.c reads it: kind, the tensors holding it (kept alive here), and its
+    rows when w holds more (int4's padded last block; 0: w's rows)."""
     kind: int
     w: torch.Tensor
     s: torch.Tensor | None
+    n: int = 0
 
     def mat(self) -> Mat:
         num, den = {MAT_Q4: (2, 1), MAT_Q5: (8, 5)}.get(self.kind, (1, 1))   # values per stored byte/element
-        n, k = self.w.shape[0], self.w.shape[1] * num // den
+        n, k = self.n or self.w.shape[0], self.w.shape[1] * num // den
         return Mat(self.kind, n, k, 0, self.w.data_ptr(), 0 if self.s is None else self.s.data_ptr())
 
 
@@ -135,6 +138,39 @@ def q5_bytes(q: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs, bits.view(n, k // GROUP * 4)], dim=1).contiguous()
 
 
+def q4_blocks(q: torch.Tensor, sm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 levels q [N, K] (uint8, 0-15) and f16 sm [N, 2, K/32] (scales, mins) in kernels.h's
+    Q4 layout (qdot.c): rows in blocks of QROWS (zero rows pad the last), then groups; a
+    block's group is 4 chunks of QROWS x 4 bytes, byte (c, r, e) = value 4c+e of row r (low
+    nibble) and value 16+4c+e (high). Returns w [N', K/2] uint8 and s [N', 2K/32] f16."""
+    n, k = q.shape
+    pad = -n % QROWS
+    if pad:
+        q = torch.cat([q.to(torch.uint8), q.new_zeros(pad, k, dtype=torch.uint8)])
+        sm = torch.cat([sm, sm.new_zeros(pad, *sm.shape[1:])])
+    nb, g = (n + pad) // QROWS, k // GROUP
+    v = q.to(torch.uint8).view(nb, QROWS, g, 2, 4, 4)                   # block, row, group, half, c, e
+    w = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)   # block, group, c, row, e
+    s = sm.view(nb, QROWS, 2, g).permute(0, 3, 2, 1)                    # block, group, scale|min, row
+    return w.contiguous().view(nb * QROWS, k // 2), s.contiguous().view(nb * QROWS, 2 * g)
+
+
+def q8_blocks(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values q [N, K] and f16 scales d [N, K/32] in kernels.h's Q8 layout (qdot.c):
+    blocks of QROWS rows (zero rows pad the last), then groups; a block's group is 8 chunks
+    of QROWS x 4 bytes, byte (c, r, e) = value 4c+e of row r plus 128. Returns w [N', K]
+    uint8 and s [N', K/32] f16."""
+    n, k = q.shape
+    pad = -n % QROWS
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        d = torch.cat([d, d.new_zeros(pad, d.shape[1])])
+    nb, g = (n + pad) // QROWS, k // GROUP
+    u = (q.contiguous().view(torch.uint8) ^ 128).view(nb, QROWS, g, 8, 4)   # + 128, mod 256
+    w = u.permute(0, 2, 3, 1, 4)                                             # block, group, c, row, e
+    return w.contiguous().view(nb * QROWS, k), d.view(nb, QROWS, g).transpose(1, 2).contiguous().view(nb * QROWS, g)
+
+
 def pack(w: torch.Tensor | None, parts=None, int8: bool = False, q8=None) -> Packed | None:
     """w [N, K] (the dense weight, compute dtype) as decode reads it: int4 groups from a 4-bit
     source's parts (q uint8 [N, K], scale and min f32 [N, K/32]: its own levels; scale and min
@@ -147,15 +183,13 @@ def pack(w: torch.Tensor | None, parts=None, int8: bool = False, q8=None) -> Pac
         lo, hi = torch.aminmax(q) if q.numel() else (0, 99)
         if q.shape[1] % GROUP == 0 and int(lo) >= -16 and int(hi) <= 15:
             return Packed(MAT_Q5, q5_bytes(q), d.to(torch.float16).contiguous())
-        return Packed(MAT_Q8, q.contiguous(), d.to(torch.float16).contiguous())
+        return Packed(MAT_Q8, *q8_blocks(q, d.to(torch.float16)), n=q.shape[0])
     n, k = w.shape if w is not None else parts[0].shape
     if parts is not None and k % GROUP == 0:
         q, scale, mn = parts
-        g = q.to(torch.uint8).view(n, k // GROUP, 2, 16)
-        qs = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-        sm = torch.stack([scale, mn], dim=-1)
+        sm = torch.stack([scale, mn], dim=1)                                 # [N, 2, K/32]
         if f16_fits(sm):
-            return Packed(MAT_Q4, qs, sm.to(torch.float16).contiguous())
+            return Packed(MAT_Q4, *q4_blocks(q, sm.to(torch.float16)), n=n)
     if w is None:
         return None
     if int8 and k % GROUP == 0:
@@ -171,7 +205,7 @@ def pack(w: torch.Tensor | None, parts=None, int8: bool = False, q8=None) -> Pac
             q[a:a + 8192] = wg.div_(torch.where(sf > 0, sf, 1.0)).round_().clamp_(-127, 127).view(-1, k)
             s[a:a + 8192] = sb
         if fits:
-            return Packed(MAT_Q8, q, s)
+            return Packed(MAT_Q8, *q8_blocks(q, s), n=n)
     w = w.contiguous()
     return Packed(MAT_BF16 if w.dtype == torch.bfloat16 else MAT_F32, w, None)
 
@@ -278,8 +312,8 @@ class Kernels:
         self.attention = DecodeAttention(lib)
         self.prefill = PrefillAttention(lib)
         one = lib.mat_vec_one
-        one.restype = None
-        one.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 3
+        one.restype = ctypes.c_int
+        one.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 2
         self._mat_vec = one
         rows = lib.mat_rows
         rows.restype = None
@@ -311,8 +345,8 @@ class Kernels:
         m = p.mat()
         xf = x.float().contiguous()
         y = torch.empty(m.n)
-        xs = torch.empty(m.k // GROUP + 1)
-        self._mat_vec(ctypes.byref(m), xf.data_ptr(), y.data_ptr(), xs.data_ptr())
+        if self._mat_vec(ctypes.byref(m), xf.data_ptr(), y.data_ptr()):
+            raise MemoryError("mat_vec: no scratch memory")
         return y
 
     @staticmethod

@@ -10,8 +10,8 @@ temporary name and renamed, so a reader sees a complete file or none. Layout (JS
 
     MAGIC | u64 header length | header (JSON) | tensors, each at a multiple of ALIGN
 
-header: {"version": 1, "size": total bytes, "entries": {key: [kind, w, s]}} with w and s
-[dtype name, shape, offset] (s null when absent). A file whose header does not parse, or
+header: {"version": 1, "size": total bytes, "entries": {key: [kind, w, s, n]}} with w and s
+[dtype name, shape, offset] (s null when absent) and n the weight's rows (0: w's). A file whose header does not parse, or
 whose size or any entry's extent disagrees with it, is ignored with a warning and rewritten.
 Tensors come back as copy-on-write maps of the file: pages are read as decode first touches
 them and shared with the page cache, never written.
@@ -113,7 +113,7 @@ def _write(path: str, packs: dict[str, Packed]) -> None:
         offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         return spec
     for key, p in packs.items():
-        entries[key] = [int(p.kind), place(p.w), place(p.s)]
+        entries[key] = [int(p.kind), place(p.w), place(p.s), int(p.n)]
     # the header's own length is padded so the data starts at a multiple of ALIGN
     header = json.dumps({"version": 1, "size": offset, "entries": entries}).encode()
     start = -(-(len(MAGIC) + 8 + len(header)) // ALIGN) * ALIGN
@@ -157,4 +157,4 @@ def _read(path: str) -> dict[str, Packed]:
         if off < 0 or off % ALIGN or off + nbytes > head["size"]:
             raise ValueError(f"an entry at {off} (+{nbytes}) outside the data")
         return whole[off:off + nbytes].view(dtype).view(shape)
-    return {key: Packed(int(kind), tensor(w), tensor(s)) for key, (kind, w, s) in head["entries"].items()}
+    return {key: Packed(int(kind), tensor(w), tensor(s), int(n)) for key, (kind, w, s, n) in head["entries"].items()}

@@ -74,22 +74,21 @@ static void store_rows(void *cache, int bf16, long at, const float *src, int D) 
 static inline int imax(int a, int b) { return a > b ? a : b; }
 
 /* x[b] += post_norm(W in[b]) for B rows: a block's output projection and its residual
- * (o, xs: scratch rows of the same strides as x and in) */
-static void residual(const Mat *w, int B, const float *in, long ld_in, int n_in, const float *post_norm, float eps,
-                     int dim, float *x, long ld, float *o, float *xs, long ld_xs) {
-    for (int b = 0; b < B; b++) group_sums(in + b * ld_in, n_in, xs + b * ld_xs);
-    mat_mul(w, B, in, ld_in, xs, ld_xs, o, ld);
+ * (o: scratch rows of x's stride) */
+static int residual(const Mat *w, int B, const float *in, long ld_in, const float *post_norm, float eps,
+                    int dim, float *x, long ld, float *o) {
+    if (mat_mul(w, B, in, ld_in, o, ld)) return -1;
     for (int b = 0; b < B; b++) {
         float *ob = o + b * ld, *xb = x + b * ld;
         if (post_norm) rms_norm(ob, post_norm, eps, dim, ob);
         for (int i = 0; i < dim; i++) xb[i] += ob[i];
     }
+    return 0;
 }
 
 /* Scratch floats one activation row takes (every buffer of a step, but attention's) */
 static long row_floats(const ModelW *m) {
-    const int qkv = (m->H + 2 * m->KV) * m->D, wide = imax(imax(m->dim, qkv), 2 * m->ffn);
-    return 2L * m->dim + qkv + m->H * m->D + 2L * m->ffn + wide / GROUP + 1;
+    return 2L * m->dim + (m->H + 2 * m->KV) * m->D + m->H * m->D + 2L * m->ffn;
 }
 
 long decode_batch_scratch(const ModelW *m, int B, int S) {
@@ -105,27 +104,24 @@ long decode_batch_scratch(const ModelW *m, int B, int S) {
  * for bit those of sequence lead[b] < b in every layer (a multiple of attention.c's chunk);
  * a layer whose keys all start at row 0 for both reads them once for both. Writes logits
  * [B][V] (row b is what a batch of that sequence alone gives, bit for bit); returns 0, or -1
- * for a shape the kernels do not take. scratch: decode_batch_scratch(m, B, max pos + 1)
- * floats. */
+ * for a shape the kernels do not take (or scratch memory refused). scratch:
+ * decode_batch_scratch(m, B, max pos + 1) floats. */
 int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *kc, void *const *vc,
                  const long *layer_stride, const long *head_stride, const int *lead, const int *shared,
                  float *logits, float *scratch) {
     const int dim = m->dim, H = m->H, KV = m->KV, D = m->D, ffn = m->ffn, esz = m->kv_bf16 ? 2 : 4;
     if (D > 512 || H % KV || B < 1) return -1;
-    const int QKV = (H + 2 * KV) * D, wide = imax(imax(dim, QKV), 2 * ffn), XS = wide / GROUP + 1;
+    const int QKV = (H + 2 * KV) * D;
     float *h = scratch, *o = h + (long)B * dim, *qkv = o + (long)B * dim, *att = qkv + (long)B * QKV;
-    float *gu = att + (long)B * H * D, *xs = gu + (long)B * 2 * ffn, *att_scratch = xs + (long)B * XS;
+    float *gu = att + (long)B * H * D, *att_scratch = gu + (long)B * 2 * ffn;
     const float *qs[B];
     const void *ks_[B], *vs_[B];
     float *outs[B];
     int rows[B], ld[B], sh[B];
     for (int l = 0; l < m->n_layers; l++) {
         const LayerW *L = m->layers + l;
-        for (int b = 0; b < B; b++) {
-            rms_norm(x + (long)b * dim, L->attn_norm, m->eps, dim, h + (long)b * dim);
-            group_sums(h + (long)b * dim, dim, xs + (long)b * XS);
-        }
-        mat_mul(&L->qkv, B, h, dim, xs, XS, qkv, QKV);
+        for (int b = 0; b < B; b++) rms_norm(x + (long)b * dim, L->attn_norm, m->eps, dim, h + (long)b * dim);
+        if (mat_mul(&L->qkv, B, h, dim, qkv, QKV)) return -1;
         for (int b = 0; b < B; b++) {
             float *q = qkv + (long)b * QKV, *k = q + H * D, *v = k + KV * D;
             if (L->bqkv)
@@ -158,12 +154,9 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
         if (decode_attention_many(B, qs, ks_, vs_, head_stride, rows, ld, sh, KV, H / KV, D, m->scale, m->kv_bf16,
                                   outs, att_scratch))
             return -1;
-        residual(&L->wo, B, att, H * D, H * D, L->post_attn_norm, m->eps, dim, x, dim, o, xs, XS);
-        for (int b = 0; b < B; b++) {
-            rms_norm(x + (long)b * dim, L->ffn_norm, m->eps, dim, h + (long)b * dim);
-            group_sums(h + (long)b * dim, dim, xs + (long)b * XS);
-        }
-        mat_mul(&L->gu, B, h, dim, xs, XS, gu, 2 * ffn);
+        if (residual(&L->wo, B, att, H * D, L->post_attn_norm, m->eps, dim, x, dim, o)) return -1;
+        for (int b = 0; b < B; b++) rms_norm(x + (long)b * dim, L->ffn_norm, m->eps, dim, h + (long)b * dim);
+        if (mat_mul(&L->gu, B, h, dim, gu, 2 * ffn)) return -1;
         for (int b = 0; b < B; b++) {
             float *g = gu + (long)b * 2 * ffn;
             for (int i = 0; i < ffn; i++) {
@@ -173,12 +166,8 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
                 g[i] = a * g[ffn + i];
             }
         }
-        residual(&L->down, B, gu, 2 * ffn, ffn, L->post_ffn_norm, m->eps, dim, x, dim, o, xs, XS);
+        if (residual(&L->down, B, gu, 2 * ffn, L->post_ffn_norm, m->eps, dim, x, dim, o)) return -1;
     }
-    for (int b = 0; b < B; b++) {
-        rms_norm(x + (long)b * dim, m->norm, m->eps, dim, h + (long)b * dim);
-        group_sums(h + (long)b * dim, dim, xs + (long)b * XS);
-    }
-    mat_mul(&m->head, B, h, dim, xs, XS, logits, m->head.n);
-    return 0;
+    for (int b = 0; b < B; b++) rms_norm(x + (long)b * dim, m->norm, m->eps, dim, h + (long)b * dim);
+    return mat_mul(&m->head, B, h, dim, logits, m->head.n);
 }

@@ -50,11 +50,6 @@ static inline float hsum(__m256 v) {
 #if defined(__AVX512F__)
 typedef __m512 V;
 typedef struct { __m512 v[2]; } W32;
-static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g)));
-    w->v[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    w->v[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
 static inline void q5_unpack(const uint8_t *q, const uint32_t *qh, int g, W32 *w) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g)));
     const __m512i m16 = _mm512_set1_epi32(-16), h16 = _mm512_set1_epi32(16);
@@ -66,22 +61,12 @@ static inline void q5_unpack(const uint8_t *q, const uint32_t *qh, int g, W32 *w
     w->v[0] = _mm512_cvtepi32_ps(lo);
     w->v[1] = _mm512_cvtepi32_ps(hi);
 }
-static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
-    w->v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g))));
-    w->v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * g + 16))));
-}
 /* the group's scale is folded into the widened weights once (scale32), for every row: a row
  * then costs two FMAs per group, on four accumulators (NACC) to cover their latency */
 #define NACC 4
 static inline void scale32(W32 *w, __m512 s) {
     w->v[0] = _mm512_mul_ps(w->v[0], s);
     w->v[1] = _mm512_mul_ps(w->v[1], s);
-}
-/* int4: the group's min folded in too (w = q * scale + min), so a row needs no min term */
-#define FOLD_MIN 1
-static inline void affine32(W32 *w, __m512 s, __m512 mn) {
-    w->v[0] = _mm512_fmadd_ps(w->v[0], s, mn);
-    w->v[1] = _mm512_fmadd_ps(w->v[1], s, mn);
 }
 static inline __m512 dot32(const W32 *w, const float *x, int g, __m512 acc, __m512 s) {
     (void)s;
@@ -94,15 +79,6 @@ static inline __m512 dot32(const W32 *w, const float *x, int g, __m512 acc, __m5
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 V;
 typedef struct { __m256 v[4]; } W32;      /* values 0-7, 8-15, 16-23, 24-31 */
-static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
-    const __m256i m15 = _mm256_set1_epi32(15);
-    __m128i b = _mm_loadu_si128((const __m128i *)(q + 16 * g));
-    __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    w->v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(w0, m15));
-    w->v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(w1, m15));
-    w->v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4));
-    w->v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
-}
 static inline void q5_unpack(const uint8_t *q, const uint32_t *qh, int g, W32 *w) {
     const __m256i m15 = _mm256_set1_epi32(15), m16 = _mm256_set1_epi32(-16), h16 = _mm256_set1_epi32(16);
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -115,10 +91,6 @@ static inline void q5_unpack(const uint8_t *q, const uint32_t *qh, int g, W32 *w
         __m256i hb = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(h >> (8 * i))), bit), bit);
         w->v[i] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(v[i], m16), _mm256_and_si256(hb, h16)));
     }
-}
-static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
-    for (int i = 0; i < 4; i++)
-        w->v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 32 * g + 8 * i))));
 }
 /* 16 registers: the scale stays per row (a row's four products summed, then scaled into one
  * of two accumulators), which keeps the accumulators' chains short */
@@ -138,20 +110,11 @@ static inline __m256 dot32(const W32 *w, const float *x, int g, __m256 acc, __m2
 #else
 typedef float V;
 typedef struct { float v[32]; } W32;
-static inline void q4_unpack(const uint8_t *q, int g, W32 *w) {
-    for (int j = 0; j < 16; j++) {
-        w->v[j] = (float)(q[16 * g + j] & 15);
-        w->v[j + 16] = (float)(q[16 * g + j] >> 4);
-    }
-}
 static inline void q5_unpack(const uint8_t *q, const uint32_t *qh, int g, W32 *w) {
     for (int j = 0; j < 16; j++) {
         w->v[j] = (float)((int)((q[16 * g + j] & 15) | ((qh[g] >> j & 1) << 4)) - 16);
         w->v[j + 16] = (float)((int)((q[16 * g + j] >> 4) | ((qh[g] >> (j + 16) & 1) << 4)) - 16);
     }
-}
-static inline void q8_unpack(const int8_t *q, int g, W32 *w) {
-    for (int j = 0; j < 32; j++) w->v[j] = (float)q[32 * g + j];
 }
 #define NACC 2
 static inline void scale32(W32 *w, float s) { (void)w; (void)s; }
@@ -218,65 +181,22 @@ INLINE V acc_sum(const V *a) { return VADD(VADD(a[0], a[1]), VADD(a[2], a[3])); 
 INLINE V acc_sum(const V *a) { return VADD(a[0], a[1]); }
 #endif
 
-INLINE void rows_q4(const uint8_t *q, const uint16_t *sm, int groups, const float *x, long ldx, const float *xs,
-                    long ldxs, float *y, long ldy, const int nb) {
-    float mins[NB];
-    V acc[NB][NACC];
-    for (int b = 0; b < nb; b++) {
-        mins[b] = 0.0f;
-        for (int a = 0; a < NACC; a++) acc[b][a] = VZERO;
-    }
-#ifdef FOLD_MIN
-    (void)xs;
-    (void)ldxs;
-#define Q4_STEP(G, A)                                                                          \
-    {                                                                                          \
-        W32 w;                                                                                 \
-        q4_unpack(q, G, &w);                                                                   \
-        const V s = VSET1(f16_to_f32(sm[2 * (G)]));                                            \
-        affine32(&w, s, VSET1(f16_to_f32(sm[2 * (G) + 1])));                                  \
-        for (int b = 0; b < nb; b++) acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);      \
-    }
-#else
-    /* the min's part, sum over groups of min * (sum of the group's x), in group order */
-#define Q4_STEP(G, A)                                                                          \
-    {                                                                                          \
-        W32 w;                                                                                 \
-        q4_unpack(q, G, &w);                                                                   \
-        const V s = VSET1(f16_to_f32(sm[2 * (G)]));                                            \
-        scale32(&w, s);                                                                        \
-        const float mn = f16_to_f32(sm[2 * (G) + 1]);                                          \
-        for (int b = 0; b < nb; b++) {                                                         \
-            acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);                               \
-            mins[b] += mn * xs[b * ldxs + (G)];                                                \
-        }                                                                                      \
-    }
-#endif
-    GROUP_LOOP(Q4_STEP)
-    for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b])) + mins[b];
-}
-
-/* int8 groups (five = 0), or Q5_0's 5-bit groups (five = 1: the file's nibbles, then a uint32
- * of high bits per group; the same values as their int8 copy, so bit for bit its sums, from
- * 5.5 bits a value instead of 8.5) */
-INLINE void rows_q8(const void *q, const uint16_t *sc, int groups, const float *x, long ldx, float *y, long ldy,
-                    const int nb, const int five) {
-    const uint32_t *qh = (const uint32_t *)((const uint8_t *)q + groups * 16);
+/* Q5_0's 5-bit groups (the file's nibbles, then a uint32 of high bits per group) */
+INLINE void rows_q5(const uint8_t *q, const uint16_t *sc, int groups, const float *x, long ldx, float *y, long ldy,
+                    const int nb) {
+    const uint32_t *qh = (const uint32_t *)(q + groups * 16);
     V acc[NB][NACC];
     for (int b = 0; b < nb; b++)
         for (int a = 0; a < NACC; a++) acc[b][a] = VZERO;
-#define Q8_STEP(G, A)                                                                          \
+#define Q5_STEP(G, A)                                                                          \
     {                                                                                          \
         W32 w;                                                                                 \
-        if (five)                                                                              \
-            q5_unpack((const uint8_t *)q, qh, G, &w);                                          \
-        else                                                                                   \
-            q8_unpack((const int8_t *)q, G, &w);                                               \
+        q5_unpack(q, qh, G, &w);                                                               \
         const V s = VSET1(f16_to_f32(sc[G]));                                                  \
         scale32(&w, s);                                                                        \
         for (int b = 0; b < nb; b++) acc[b][A] = dot32(&w, x + b * ldx, G, acc[b][A], s);      \
     }
-    GROUP_LOOP(Q8_STEP)
+    GROUP_LOOP(Q5_STEP)
     for (int b = 0; b < nb; b++) y[b * ldy] = hsum(acc_sum(acc[b]));
 }
 
@@ -312,19 +232,12 @@ INLINE void rows_dense(const void *wr, int bf16, int k, const float *x, long ldx
     }
 }
 
-/* weight row r of m against nb activation rows */
-INLINE void row_times(const Mat *m, long r, const float *x, long ldx, const float *xs, long ldxs, float *y, long ldy,
-                      const int nb) {
+/* weight row r of m (Q5 or dense) against nb activation rows */
+INLINE void row_times(const Mat *m, long r, const float *x, long ldx, float *y, long ldy, const int nb) {
     const int k = m->k, groups = k / GROUP;
     switch (m->kind) {
-    case MAT_Q4:
-        rows_q4((const uint8_t *)m->w + r * (k / 2), m->s + r * groups * 2, groups, x, ldx, xs, ldxs, y, ldy, nb);
-        break;
-    case MAT_Q8:
-        rows_q8((const int8_t *)m->w + r * k, m->s + r * groups, groups, x, ldx, y, ldy, nb, 0);
-        break;
     case MAT_Q5:
-        rows_q8((const uint8_t *)m->w + r * Q5_ROW(k), m->s + r * groups, groups, x, ldx, y, ldy, nb, 1);
+        rows_q5((const uint8_t *)m->w + r * Q5_ROW(k), m->s + r * groups, groups, x, ldx, y, ldy, nb);
         break;
     case MAT_BF16:
         rows_dense((const uint16_t *)m->w + r * k, 1, k, x, ldx, y, ldy, nb);
@@ -334,52 +247,41 @@ INLINE void row_times(const Mat *m, long r, const float *x, long ldx, const floa
     }
 }
 
-void group_sums(const float *x, int k, float *xs) {
-    for (int g = 0; g < k / GROUP; g++) {
-        float s = 0.0f;
-        for (int j = 0; j < GROUP; j++) s += x[GROUP * g + j];
-        xs[g] = s;
-    }
-}
-
-/* Y[b] = W X[b] for B activation rows (x rows ldx apart, their group sums xs rows ldxs apart,
- * y rows ldy apart): each weight row is read from memory once and multiplied by up to NB
- * activation rows per pass while it is in cache, so B rows cost about one row's weight
- * traffic. Row (r, b) gets the same operations whatever B is: batched rows equal single ones
- * bit for bit. Rows are split across threads statically and each row is summed in one
- * fixed order: the result does not depend on the thread count. */
-void mat_mul(const Mat *m, int B, const float *x, long ldx, const float *xs, long ldxs, float *y, long ldy) {
+/* Y[b] = W X[b] for B activation rows (x rows ldx apart, y rows ldy apart): each weight row
+ * is read from memory once and multiplied by up to NB activation rows per pass while it is in
+ * cache, so B rows cost about one row's weight traffic. Row (r, b) gets the same operations
+ * whatever B is: batched rows equal single ones bit for bit. Rows are split across threads
+ * statically and each row is summed in one fixed order: the result does not depend on the
+ * thread count. */
+int mat_mul(const Mat *m, int B, const float *x, long ldx, float *y, long ldy) {
     const int n = m->n;
+    if (m->kind == MAT_Q4 || m->kind == MAT_Q8) return mat_mul_q(m, B, x, ldx, y, ldy);
 #ifndef VW
     /* portable build: one activation row at a time (the compiler vectorizes the scalar loops
      * differently for each row count, which would break the bit-equality with single rows) */
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < n; r++)
-        for (int b = 0; b < B; b++) row_times(m, r, x + b * ldx, ldx, xs + b * ldxs, ldxs, y + b * ldy + r, ldy, 1);
+        for (int b = 0; b < B; b++) row_times(m, r, x + b * ldx, ldx, y + b * ldy + r, ldy, 1);
 #else
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < n; r++) {
         for (int b0 = 0; b0 < B; b0 += NB) {
-            const float *xb = x + b0 * ldx, *xsb = xs + b0 * ldxs;
+            const float *xb = x + b0 * ldx;
             float *yb = y + b0 * ldy + r;
             switch (B - b0) {
-            case 1: row_times(m, r, xb, ldx, xsb, ldxs, yb, ldy, 1); break;
-            case 2: row_times(m, r, xb, ldx, xsb, ldxs, yb, ldy, 2); break;
-            case 3: row_times(m, r, xb, ldx, xsb, ldxs, yb, ldy, 3); break;
-            default: row_times(m, r, xb, ldx, xsb, ldxs, yb, ldy, 4);
+            case 1: row_times(m, r, xb, ldx, yb, ldy, 1); break;
+            case 2: row_times(m, r, xb, ldx, yb, ldy, 2); break;
+            case 3: row_times(m, r, xb, ldx, yb, ldy, 3); break;
+            default: row_times(m, r, xb, ldx, yb, ldy, 4);
             }
         }
     }
 #endif
+    return 0;
 }
-
-void mat_vec(const Mat *m, const float *x, const float *xs, float *y) { mat_mul(m, 1, x, 0, xs, 0, y, 0); }
 
 /* The Python side's check of the packing: y = W x for one matrix (tests, the bench). */
-void mat_vec_one(const Mat *m, const float *x, float *y, float *xs) {
-    if (m->kind == MAT_Q4) group_sums(x, m->k, xs);
-    mat_vec(m, x, xs, y);
-}
+int mat_vec_one(const Mat *m, const float *x, float *y) { return mat_mul(m, 1, x, 0, y, 0); }
 
 _Static_assert(sizeof(W32) == GROUP * sizeof(float), "W32 holds one group's values, in order");
 
@@ -388,13 +290,8 @@ static void dequant_row(const Mat *m, long r, void *dst, int bf16) {
     const int k = m->k, groups = k / GROUP;
     float row[GROUP];
     for (int g = 0; g < (m->kind == MAT_Q4 || m->kind == MAT_Q8 || m->kind == MAT_Q5 ? groups : 0); g++) {
-        if (m->kind == MAT_Q4) {
-            const uint8_t *q = (const uint8_t *)m->w + r * (k / 2) + 16 * g;
-            const float s = f16_to_f32(m->s[(r * groups + g) * 2]), mn = f16_to_f32(m->s[(r * groups + g) * 2 + 1]);
-            for (int j = 0; j < 16; j++) {
-                row[j] = (q[j] & 15) * s + mn;
-                row[j + 16] = (q[j] >> 4) * s + mn;
-            }
+        if (m->kind == MAT_Q4 || m->kind == MAT_Q8) {
+            q_group(m, r, g, row);
         } else if (m->kind == MAT_Q5) {      /* every path's W32 holds the group's values in order */
             const uint8_t *q = (const uint8_t *)m->w + r * Q5_ROW(k);
             const float s = f16_to_f32(m->s[r * groups + g]);
@@ -402,10 +299,6 @@ static void dequant_row(const Mat *m, long r, void *dst, int bf16) {
             q5_unpack(q, (const uint32_t *)(q + k / 2), g, &w);
             memcpy(row, &w, sizeof row);
             for (int j = 0; j < GROUP; j++) row[j] *= s;
-        } else {
-            const int8_t *q = (const int8_t *)m->w + r * k + GROUP * g;
-            const float s = f16_to_f32(m->s[r * groups + g]);
-            for (int j = 0; j < GROUP; j++) row[j] = q[j] * s;
         }
         if (bf16)
             for (int j = 0; j < GROUP; j++) ((uint16_t *)dst)[GROUP * g + j] = f32_to_bf16(row[j]);

@@ -8,26 +8,30 @@
  * GROUP values with their own f16 scale (int4 also an f16 min: w = q * scale + min). */
 enum { MAT_F32 = 0, MAT_BF16 = 1, MAT_Q4 = 2, MAT_Q8 = 3, MAT_Q5 = 4 };
 #define GROUP 32
+#define QROWS 16        /* Q4's and Q8's rows per block (qdot.c) */
 #define ATT_CHUNK 128   /* attention.c's rows per task: shared prefixes are whole chunks */
 #define Q5_ROW(k) ((long)(k) / 2 + (long)(k) / GROUP * 4)
 
 typedef struct {
     int32_t kind, n, k, pad;
-    /* F32/BF16: [n][k]. Q4: uint8 [n][k/2], group g's byte j holds value j (low nibble) and
-     * value j + 16 (high nibble). Q8: int8 [n][k]. Q5 (GGUF's Q5_0 levels, 5.5 bits a value):
+    /* F32/BF16: [n][k]. Q4, Q8: blocks of QROWS rows (n rounded up), interleaved as qdot.c
+     * describes, k/2 (k) bytes a row. Q5 (GGUF's Q5_0 levels, 5.5 bits a value):
      * row r at r * Q5_ROW(k) bytes, its k/2 nibble bytes laid out as Q4's, then k/GROUP uint32
-     * of high bits (bit j: value j of the group); value = (nibble | high << 4) - 16. */
+     * of high bits (bit j: value j of the group), value = (nibble | high << 4) - 16; the
+     * nibble bytes as Q4's were in rows: group g's byte j holds value j (low nibble) and value
+     * j + 16 (high nibble). */
     const void *w;
-    /* Q4: f16 [n][k/GROUP][2] (scale, min); Q8, Q5: f16 [n][k/GROUP] (scale); else unused */
+    /* Q4: f16 [blocks][k/GROUP][2][QROWS] (the block's scales, then its mins); Q8: f16
+     * [blocks][k/GROUP][QROWS]; Q5: f16 [n][k/GROUP]; else unused */
     const uint16_t *s;
 } Mat;
 
-/* y[n] = W x for x [k] f32; xs: per-group sums of x (Q4 only, k/GROUP of them). Rows are
- * split across threads statically and each row is summed in one fixed order: the result does
- * not depend on the thread count. */
-void mat_vec(const Mat *m, const float *x, const float *xs, float *y);
-void group_sums(const float *x, int k, float *xs);
-void mat_mul(const Mat *m, int B, const float *x, long ldx, const float *xs, long ldxs, float *y, long ldy);
+/* Y[b] = W X[b] for B activation rows (gemv.c; Q4 and Q8 in qdot.c). Rows are split across
+ * threads statically and each row is summed in one fixed order: the result does not depend
+ * on the thread count or on the other rows. Returns 0, or -1 when scratch memory is refused. */
+int mat_mul(const Mat *m, int B, const float *x, long ldx, float *y, long ldy);
+int mat_mul_q(const Mat *m, int B, const float *x, long ldx, float *y, long ldy);
+void q_group(const Mat *m, long r, int g, float out[GROUP]);
 
 int decode_attention(const float *q, const void *k, const void *v, long head_stride, int KV, int G,
                      int D, int S, float scale, int bf16, float *out, float *scratch);

@@ -162,11 +162,16 @@ def test_chunk_size_does_not_change_results(model, long_ids, uninterrupted):
 @pytest.mark.parametrize("weights", ["dense", "packed"])
 def test_decode_matches_prefill(model, long_ids, uninterrupted, weights):
     """Decode's rows (positions, K/V writes, one-row attention) are the prefill's: on the
-    dense weights within the dtype's chunking tolerance, on the packed ones (the int4 copy of
-    the Q4_1 weights, the int8 copy of the Q8_0 output projection) within its rounding.
-    Decode runs as the server runs it: one native call per token (native.Decoder)."""
+    dense weights within the dtype's chunking tolerance; on the packed ones (the int4 copy of
+    the Q4_1 weights, the int8 copy of the Q8_0 output projection), whose products take the
+    activations rounded to int8 per group of 32 (as llama.cpp's do), within bf16's tolerance
+    in either dtype (measured: 0.88 in f32, 1.0 in bf16, where bf16's own rounding gives
+    0.76 on the dense weights), and the same greedy tokens. Decode runs as the server runs
+    it: one native call per token (native.Decoder)."""
     src, ref = uninterrupted
     m = dense_twin(model) if weights == "dense" else model
+    if weights == "dense":   # its own prefill: the packed model's output projection rounds x to int8
+        ref = KVSession(m, N_CTX, 512).prefill(long_ids, logits_at=WANT)
     assert m.decoder is not None
     assert m.layers[0].wqkv.mat.kind == (MAT_Q4 if weights == "packed" else {
         torch.float32: MAT_F32, torch.bfloat16: MAT_BF16}[model.dtype])
@@ -180,7 +185,8 @@ def test_decode_matches_prefill(model, long_ids, uninterrupted, weights):
     for i in range(LONG_N - TAIL, LONG_N):
         got[i + 1] = s.decode(long_ids[i])
     assert s.tokens == long_ids
-    assert_tail_close(model, ref, got, f"prefill vs token-by-token decode ({weights} weights)")
+    assert_tail_close(model, ref, got, f"prefill vs token-by-token decode ({weights} weights)",
+                      CHUNK_TOL[torch.bfloat16] if weights == "packed" else 0.0)
 
 
 def test_aligned_checkpoint_resume_is_bit_identical(model, long_ids, uninterrupted):

@@ -134,7 +134,9 @@ def test_the_model_prefills_alike_with_either_attention(model_path):
     ids = torch.tensor([5 + (j * 29) % 3000 for j in range(1100)])
 
     def logits(dtype: torch.dtype, nat: bool) -> torch.Tensor:
-        m = Llama(load(model_path, dtype, "cpu"), 2048, kernels=native.load(), native_prefill=nat)
+        # dense weights: the packed output projection rounds its input to int8 (qdot.c), a
+        # step that a 1e-6 difference in a hidden row may cross
+        m = Llama(load(model_path, dtype, "cpu"), 2048, packed=False, kernels=native.load(), native_prefill=nat)
         assert (m.prefill_attend is not None) == nat
         c = m.cfg
         kc = torch.zeros(c.n_layers, c.n_kv_heads, 1152, c.head_dim, dtype=dtype)

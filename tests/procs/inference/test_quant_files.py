@@ -7,7 +7,10 @@ Types ricordo reads as stored (F16, BF16; Q8_0 and Q5_0 as int8 levels with the 
 scale; Q4_0, Q4_1 as int4 groups with their own levels) must be as close as the unquantized
 model (f32 rounding only) and give the same greedy tokens through the native decode (the
 MoE model decodes with torch's packed kernels, whose bf16 activations are not exact: its
-prefill is checked). Q5_1 is requantized to int8 groups of 32 (one more rounding, at most
+prefill is checked), except where the native kernels multiply int8 and int4 weights by
+activations rounded to int8 per group of 32 (qdot.c, as llama.cpp does): there the logits
+(the output projection is such a product) are within ACT_TOL, and the greedy tokens of these
+random tiny models, whose logits lie close together, are not compared. Q5_1 is requantized to int8 groups of 32 (one more rounding, at most
 half an int8 step of the group's range): its tolerance is a share of the file's own
 quantization error. The K-quants, which the gguf package cannot write, are checked on the
 real Gemma 3 file (test_gemma.py: Q4_K unpacked exactly, Q6_K/Q5_0 equal to the gguf
@@ -31,8 +34,12 @@ EXACT_TOL = 1e-3          # f32 rounding, as the unquantized parity
 # logit difference: measured 0.11-0.29 over the architectures here; a wrong scale or min would
 # be at least the quantization's own size
 REQUANT_SHARE = 0.4
+# int8 activations (Q8_0, Q4_0, Q4_1 in the native kernels): measured 0.028-0.041 over the
+# architectures here, against 0.2-4.6 for the files' own quantization
+ACT_TOL = 0.1
 TYPES = [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
 REQUANTIZED = {T.Q5_1}
+INT8_ACTS = {T.Q8_0, T.Q4_0, T.Q4_1}
 
 def _dequantized(m, qtype):
     """The transformers model with each 2-D weight replaced by the file's values. Rows are
@@ -65,12 +72,13 @@ def test_quantized_file_matches_its_dequantized_weights(models, tmp_path, arch, 
     d = (logits - ref_logits).abs().max().item()
     plain = m(torch.tensor([ids]), use_cache=False).logits[0].float().detach()
     d_quant = (plain - ref_logits).abs().max().item()     # what the file's quantization itself moves
-    tol = REQUANT_SHARE * d_quant if qtype in REQUANTIZED else EXACT_TOL
+    int8_acts = qtype in INT8_ACTS and model.decoder is not None
+    tol = REQUANT_SHARE * d_quant if qtype in REQUANTIZED else ACT_TOL if int8_acts else EXACT_TOL
     agree = sum(a == b for a, b in zip(toks, ref_toks)) / GREEDY
     print(f"\n[{arch} {qtype.name}] logits vs transformers on the file's values: {d:.3g} (tolerance {tol:.3g}; "
           f"the quantization itself moves them {d_quant:.3g}); greedy tokens equal for {agree:.0%} of {GREEDY}")
     assert d < tol
-    if qtype not in REQUANTIZED and model.decoder is not None:   # torch's packed decode takes bf16 activations
+    if qtype not in REQUANTIZED and not int8_acts and model.decoder is not None:   # torch's packed decode: bf16 activations
         assert toks == ref_toks
     if qtype not in (T.F16, T.BF16):                      # the quantization is real
         assert d_quant > 10 * EXACT_TOL
