@@ -289,17 +289,18 @@ _Static_assert(sizeof(W32) == GROUP * sizeof(float), "W32 holds one group's valu
 static void dequant_row(const Mat *m, long r, void *dst, int bf16) {
     const int k = m->k, groups = k / GROUP;
     float row[GROUP];
-    for (int g = 0; g < (m->kind == MAT_Q4 || m->kind == MAT_Q8 || m->kind == MAT_Q5 ? groups : 0); g++) {
-        if (m->kind == MAT_Q4 || m->kind == MAT_Q8) {
-            q_group(m, r, g, row);
-        } else if (m->kind == MAT_Q5) {      /* every path's W32 holds the group's values in order */
-            const uint8_t *q = (const uint8_t *)m->w + r * Q5_ROW(k);
-            const float s = f16_to_f32(m->s[r * groups + g]);
-            W32 w;
-            q5_unpack(q, (const uint32_t *)(q + k / 2), g, &w);
-            memcpy(row, &w, sizeof row);
-            for (int j = 0; j < GROUP; j++) row[j] *= s;
-        }
+    if (m->kind == MAT_Q4 || m->kind == MAT_Q8) {
+        q_row(m, r, dst, bf16);
+        return;
+    }
+    for (int g = 0; g < (m->kind == MAT_Q5 ? groups : 0); g++) {
+        /* every path's W32 holds the group's values in order */
+        const uint8_t *q = (const uint8_t *)m->w + r * Q5_ROW(k);
+        const float s = f16_to_f32(m->s[r * groups + g]);
+        W32 w;
+        q5_unpack(q, (const uint32_t *)(q + k / 2), g, &w);
+        memcpy(row, &w, sizeof row);
+        for (int j = 0; j < GROUP; j++) row[j] *= s;
         if (bf16)
             for (int j = 0; j < GROUP; j++) ((uint16_t *)dst)[GROUP * g + j] = f32_to_bf16(row[j]);
         else

@@ -31,7 +31,7 @@ typedef struct {
  * on the thread count or on the other rows. Returns 0, or -1 when scratch memory is refused. */
 int mat_mul(const Mat *m, int B, const float *x, long ldx, float *y, long ldy);
 int mat_mul_q(const Mat *m, int B, const float *x, long ldx, float *y, long ldy);
-void q_group(const Mat *m, long r, int g, float out[GROUP]);
+void q_row(const Mat *m, long r, void *dst, int bf16);
 
 int decode_attention(const float *q, const void *k, const void *v, long head_stride, int KV, int G,
                      int D, int S, float scale, int bf16, float *out, float *scratch);

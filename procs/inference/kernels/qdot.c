@@ -305,22 +305,105 @@ int mat_mul_q(const Mat *m, int B, const float *x, long ldx, float *y, long ldy)
     return 0;
 }
 
-/* Row r's group g as the values it stands for (f32); kind Q4 or Q8. */
-void q_group(const Mat *m, long r, int g, float out[GROUP]) {
-    const int groups = m->k / GROUP, lane = (int)(r % QROWS);
-    const long at = (r / QROWS) * groups + g;
-    if (m->kind == MAT_Q8) {
-        const uint8_t *p = (const uint8_t *)m->w + at * 2 * QB + 4 * lane;
-        const float s = h2f(m->s[at * 16 + lane]);
-        for (int c = 0; c < 8; c++)
-            for (int e = 0; e < 4; e++) out[4 * c + e] = ((int)p[64 * c + e] - 128) * s;
+static inline int32_t ld32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if defined(__AVX512F__)
+/* 16 values (f32) to dst as f32, or as bf16 rounded to nearest even (f32_to_bf16's rule) */
+static inline void put16(__m512 v, void *dst, int bf16) {
+    if (!bf16) {
+        _mm512_storeu_ps(dst, v);
         return;
     }
-    const uint8_t *p = (const uint8_t *)m->w + at * QB + 4 * lane;
-    const float s = h2f(m->s[at * 32 + lane]), mn = h2f(m->s[at * 32 + 16 + lane]);
-    for (int c = 0; c < 4; c++)
-        for (int e = 0; e < 4; e++) {
-            out[4 * c + e] = (p[64 * c + e] & 15) * s + mn;
-            out[16 + 4 * c + e] = (p[64 * c + e] >> 4) * s + mn;
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(r));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline void put8(__m256 v, void *dst, int bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps(dst, v);
+        return;
+    }
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+#endif
+
+/* Row r (kind Q4 or Q8) as the values it stands for (q * scale + min, or (w - 128) * scale),
+ * in f32 or (rounded to nearest even) bf16: dst [k]. A row's 4-byte pieces are gathered
+ * from its group's chunks straight into a register (prefill dequantizes every weight this way
+ * per call: a detour through memory cost it 2x). */
+void q_row(const Mat *m, long r, void *dst, int bf16) {
+    const int groups = m->k / GROUP, lane = (int)(r % QROWS), q8 = m->kind == MAT_Q8, es = bf16 ? 2 : 4;
+    const long first = (r / QROWS) * groups;
+    for (int g = 0; g < groups; g++) {
+        const long at = first + g;
+        char *out = (char *)dst + (long)GROUP * g * es;
+#if defined(__AVX512F__)
+        if (q8) {
+            const uint8_t *p = (const uint8_t *)m->w + at * 2 * QB + 4 * lane;
+            const __m512 s = _mm512_set1_ps(h2f(m->s[at * 16 + lane]));
+            for (int h = 0; h < 2; h++) {
+                const __m128i v = _mm_setr_epi32(ld32(p + 256 * h), ld32(p + 256 * h + 64), ld32(p + 256 * h + 128),
+                                                 ld32(p + 256 * h + 192));
+                const __m512i w = _mm512_sub_epi32(_mm512_cvtepu8_epi32(v), _mm512_set1_epi32(128));
+                put16(_mm512_mul_ps(_mm512_cvtepi32_ps(w), s), out + 16 * h * es, bf16);
+            }
+        } else {
+            const uint8_t *p = (const uint8_t *)m->w + at * QB + 4 * lane;
+            const __m512 s = _mm512_set1_ps(h2f(m->s[at * 32 + lane])), mn = _mm512_set1_ps(h2f(m->s[at * 32 + 16 + lane]));
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_setr_epi32(ld32(p), ld32(p + 64), ld32(p + 128), ld32(p + 192)));
+            put16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), s, mn), out, bf16);
+            put16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, mn), out + 16 * es, bf16);
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const uint8_t *p = (const uint8_t *)m->w + at * (q8 ? 2 : 1) * QB + 4 * lane;
+        const __m128i v0 = _mm_setr_epi32(ld32(p), ld32(p + 64), ld32(p + 128), ld32(p + 192));
+        if (q8) {
+            const __m256 s = _mm256_set1_ps(h2f(m->s[at * 16 + lane]));
+            const __m128i v1 = _mm_setr_epi32(ld32(p + 256), ld32(p + 320), ld32(p + 384), ld32(p + 448));
+            const __m128i part[4] = {v0, _mm_srli_si128(v0, 8), v1, _mm_srli_si128(v1, 8)};
+            for (int i = 0; i < 4; i++) {
+                const __m256i w = _mm256_sub_epi32(_mm256_cvtepu8_epi32(part[i]), _mm256_set1_epi32(128));
+                put8(_mm256_mul_ps(_mm256_cvtepi32_ps(w), s), out + 8 * i * es, bf16);
+            }
+        } else {
+            const __m256 s = _mm256_set1_ps(h2f(m->s[at * 32 + lane])), mn = _mm256_set1_ps(h2f(m->s[at * 32 + 16 + lane]));
+            const __m256i m15 = _mm256_set1_epi32(15);
+            for (int i = 0; i < 2; i++) {
+                const __m256i b = _mm256_cvtepu8_epi32(i ? _mm_srli_si128(v0, 8) : v0);
+                put8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, m15)), s, mn), out + 8 * i * es, bf16);
+                put8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s, mn), out + (16 + 8 * i) * es, bf16);
+            }
+        }
+#else
+        uint8_t b[GROUP];
+        float v[GROUP];
+        if (q8) {
+            const uint8_t *p = (const uint8_t *)m->w + at * 2 * QB + 4 * lane;
+            for (int c = 0; c < 8; c++) memcpy(b + 4 * c, p + 64 * c, 4);
+            const float s = h2f(m->s[at * 16 + lane]);
+            for (int j = 0; j < GROUP; j++) v[j] = (float)((int)b[j] - 128) * s;
+        } else {
+            const uint8_t *p = (const uint8_t *)m->w + at * QB + 4 * lane;
+            for (int c = 0; c < 4; c++) memcpy(b + 4 * c, p + 64 * c, 4);
+            const float s = h2f(m->s[at * 32 + lane]), mn = h2f(m->s[at * 32 + 16 + lane]);
+            for (int j = 0; j < 16; j++) {
+                v[j] = fmaf((float)(b[j] & 15), s, mn);
+                v[16 + j] = fmaf((float)(b[j] >> 4), s, mn);
+            }
+        }
+        if (bf16)
+            for (int j = 0; j < GROUP; j++) ((uint16_t *)out)[j] = f32_to_bf16(v[j]);
+        else
+            memcpy(out, v, sizeof v);
+#endif
+    }
 }

@@ -221,7 +221,7 @@ for p in packs:
     x[3, :32] = -x[3, :32].abs().amax()
     x[1, :32] = 0                                       # a group of zeros: step 0
     one = torch.stack([k.mat_vec(p, r) for r in x])
-    out.append(one)
+    out += [one, k.rows(p, torch.float32), k.rows(p, torch.bfloat16).view(torch.int16)]   # prefill's values too
     y = torch.empty(6, n)                               # all six in one call: rows as alone
     f = k.lib.mat_mul
     f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
@@ -234,7 +234,8 @@ print("ok")
 
 def test_int4_and_int8_rows_are_the_same_bits_on_every_path(tmp_path):
     """Integer dot products and one fixed order of float operations per row: the AVX-512
-    (VNNI or not), AVX2 and portable builds give the same bits, for int4 and int8 weights
+    (VNNI or not), AVX2 and portable builds give the same bits (and the same dequantized
+    rows, f32 and bf16, for prefill), for int4 and int8 weights
     (at the ends of the int8 range: no saturation on any path), and a row of a batch equals
     the row alone (six rows: a pass of four, then two)."""
     import os
