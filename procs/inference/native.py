@@ -4,8 +4,9 @@ flags and CPU, cached on disk, loaded with ctypes.
 - DecodeAttention, PrefillAttention (native_attention.py): decode's and prefill's attention
   over the K/V cache (kernels/attention.c, kernels/prefill.c).
 - Decoder: a whole decode step (every layer and the output projection) in one call, on the
-  weights in their packed form (kernels/decode.c, kernels/gemv.c): a torch step is ~1,000
-  small ops whose dispatch costs as much as the weight reads on a small model.
+  weights in their packed form (kernels/decode.c; kernels/qdot.c for int4 and int8 weights,
+  integer dot products on int8 activations; kernels/gemv.c for the rest): a torch step is
+  ~1,000 small ops whose dispatch costs as much as the weight reads on a small model.
 
 Built with -march=native, so the cache key includes the CPU's flags; a build that fails (no
 compiler) leaves decode on torch's kernels with one warning, never a failed start.
