@@ -17,22 +17,6 @@
 #include <immintrin.h>
 #endif
 
-static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
-    union { uint32_t u; float f; } c;
-    if (e == 0) {                                  /* zero or subnormal: m * 2^-24 */
-        c.f = (float)m * 5.9604644775390625e-8f;
-        c.u |= s;
-        return c.f;
-    }
-    c.u = s | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
-    return c.f;
-#endif
-}
-
 #if defined(__AVX512F__)
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)

@@ -3,6 +3,9 @@
 #ifndef RICORDO_KERNELS_H
 #define RICORDO_KERNELS_H
 #include <stdint.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* Matrix kinds. Rows are the output dim (n), each row k values; quantized rows are groups of
  * GROUP values with their own f16 scale (int4 also an f16 min: w = q * scale + min). */
@@ -39,6 +42,23 @@ long decode_attention_scratch(int KV, int G, int D, int S);
 int decode_attention_many(int B, const float *const *q, const void *const *k, const void *const *v,
                           const long *head_stride, const int *S, const int *lead, const int *shared, int KV,
                           int G, int D, float scale, int bf16, float *const *out, float *scratch);
+
+/* f16 scales and mins (kernels.h's Mat.s) to f32, exactly */
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
+    union { uint32_t u; float f; } c;
+    if (e == 0) {                                  /* zero or subnormal: m * 2^-24 */
+        c.f = (float)m * 5.9604644775390625e-8f;
+        c.u |= s;
+        return c.f;
+    }
+    c.u = s | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    return c.f;
+#endif
+}
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } c;

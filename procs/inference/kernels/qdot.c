@@ -42,22 +42,6 @@
 #define QB 256                /* bytes of one block's group */
 #define INLINE static inline __attribute__((always_inline))
 
-static inline float h2f(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
-    union { uint32_t u; float f; } c;
-    if (e == 0) {
-        c.f = (float)m * 5.9604644775390625e-8f;
-        c.u |= s;
-        return c.f;
-    }
-    c.u = s | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
-    return c.f;
-#endif
-}
-
 /* One activation row of k values to int8 groups: q [k], d [k/GROUP] (the step), qs
  * [k/GROUP] (the sum of the group's int8 values) and dsum = d * qs (int4's min term then
  * multiplies the same dequantized x as its scale term: the row is W times the dequantized x
@@ -245,8 +229,8 @@ INLINE void block_q4(const uint8_t *w, const uint16_t *s, int groups, const Acts
                 for (int c = 0; c < 4; c++)
                     for (int e = 0; e < 4; e++)
                         i += (p[64 * c + e] & 15) * xq[4 * c + e] + (p[64 * c + e] >> 4) * xq[16 + 4 * c + e];
-                const float sd = h2f(s[32L * g + r]) * D(a, b0 + b, g);
-                acc = fmaf(h2f(s[32L * g + 16 + r]), a->dsum[(b0 + b) * a->groups + g], fmaf((float)i, sd, acc));
+                const float sd = f16_to_f32(s[32L * g + r]) * D(a, b0 + b, g);
+                acc = fmaf(f16_to_f32(s[32L * g + 16 + r]), a->dsum[(b0 + b) * a->groups + g], fmaf((float)i, sd, acc));
             }
             out[b][r] = acc;
         }
@@ -263,7 +247,7 @@ INLINE void block_q8(const uint8_t *w, const uint16_t *s, int groups, const Acts
                 int32_t i = 0;
                 for (int c = 0; c < 8; c++)
                     for (int e = 0; e < 4; e++) i += ((int)p[64 * c + e] - 128) * xq[4 * c + e];
-                acc = fmaf((float)i, h2f(s[16L * g + r]) * D(a, b0 + b, g), acc);
+                acc = fmaf((float)i, f16_to_f32(s[16L * g + r]) * D(a, b0 + b, g), acc);
             }
             out[b][r] = acc;
         }
@@ -349,7 +333,7 @@ void q_row(const Mat *m, long r, void *dst, int bf16) {
 #if defined(__AVX512F__)
         if (q8) {
             const uint8_t *p = (const uint8_t *)m->w + at * 2 * QB + 4 * lane;
-            const __m512 s = _mm512_set1_ps(h2f(m->s[at * 16 + lane]));
+            const __m512 s = _mm512_set1_ps(f16_to_f32(m->s[at * 16 + lane]));
             for (int h = 0; h < 2; h++) {
                 const __m128i v = _mm_setr_epi32(ld32(p + 256 * h), ld32(p + 256 * h + 64), ld32(p + 256 * h + 128),
                                                  ld32(p + 256 * h + 192));
@@ -358,7 +342,7 @@ void q_row(const Mat *m, long r, void *dst, int bf16) {
             }
         } else {
             const uint8_t *p = (const uint8_t *)m->w + at * QB + 4 * lane;
-            const __m512 s = _mm512_set1_ps(h2f(m->s[at * 32 + lane])), mn = _mm512_set1_ps(h2f(m->s[at * 32 + 16 + lane]));
+            const __m512 s = _mm512_set1_ps(f16_to_f32(m->s[at * 32 + lane])), mn = _mm512_set1_ps(f16_to_f32(m->s[at * 32 + 16 + lane]));
             const __m512i b = _mm512_cvtepu8_epi32(_mm_setr_epi32(ld32(p), ld32(p + 64), ld32(p + 128), ld32(p + 192)));
             put16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), s, mn), out, bf16);
             put16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, mn), out + 16 * es, bf16);
@@ -367,7 +351,7 @@ void q_row(const Mat *m, long r, void *dst, int bf16) {
         const uint8_t *p = (const uint8_t *)m->w + at * (q8 ? 2 : 1) * QB + 4 * lane;
         const __m128i v0 = _mm_setr_epi32(ld32(p), ld32(p + 64), ld32(p + 128), ld32(p + 192));
         if (q8) {
-            const __m256 s = _mm256_set1_ps(h2f(m->s[at * 16 + lane]));
+            const __m256 s = _mm256_set1_ps(f16_to_f32(m->s[at * 16 + lane]));
             const __m128i v1 = _mm_setr_epi32(ld32(p + 256), ld32(p + 320), ld32(p + 384), ld32(p + 448));
             const __m128i part[4] = {v0, _mm_srli_si128(v0, 8), v1, _mm_srli_si128(v1, 8)};
             for (int i = 0; i < 4; i++) {
@@ -375,7 +359,7 @@ void q_row(const Mat *m, long r, void *dst, int bf16) {
                 put8(_mm256_mul_ps(_mm256_cvtepi32_ps(w), s), out + 8 * i * es, bf16);
             }
         } else {
-            const __m256 s = _mm256_set1_ps(h2f(m->s[at * 32 + lane])), mn = _mm256_set1_ps(h2f(m->s[at * 32 + 16 + lane]));
+            const __m256 s = _mm256_set1_ps(f16_to_f32(m->s[at * 32 + lane])), mn = _mm256_set1_ps(f16_to_f32(m->s[at * 32 + 16 + lane]));
             const __m256i m15 = _mm256_set1_epi32(15);
             for (int i = 0; i < 2; i++) {
                 const __m256i b = _mm256_cvtepu8_epi32(i ? _mm_srli_si128(v0, 8) : v0);
@@ -389,12 +373,12 @@ void q_row(const Mat *m, long r, void *dst, int bf16) {
         if (q8) {
             const uint8_t *p = (const uint8_t *)m->w + at * 2 * QB + 4 * lane;
             for (int c = 0; c < 8; c++) memcpy(b + 4 * c, p + 64 * c, 4);
-            const float s = h2f(m->s[at * 16 + lane]);
+            const float s = f16_to_f32(m->s[at * 16 + lane]);
             for (int j = 0; j < GROUP; j++) v[j] = (float)((int)b[j] - 128) * s;
         } else {
             const uint8_t *p = (const uint8_t *)m->w + at * QB + 4 * lane;
             for (int c = 0; c < 4; c++) memcpy(b + 4 * c, p + 64 * c, 4);
-            const float s = h2f(m->s[at * 32 + lane]), mn = h2f(m->s[at * 32 + 16 + lane]);
+            const float s = f16_to_f32(m->s[at * 32 + lane]), mn = f16_to_f32(m->s[at * 32 + 16 + lane]);
             for (int j = 0; j < 16; j++) {
                 v[j] = fmaf((float)(b[j] & 15), s, mn);
                 v[16 + j] = fmaf((float)(b[j] >> 4), s, mn);
