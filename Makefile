@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test stress bench model install agents clean
+.PHONY: serve test stress bench bench-avx2 model install agents clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,5 +47,22 @@ bench: model
 	$(BIN)/python bench/bench_model.py --model $(BENCH_MODEL)
 	$(BIN)/python bench/bench_agent.py --model $(BENCH_MODEL)
 
+# the same on this machine emulating an AVX2-only one: ricordo's kernels built for haswell, torch
+# held to AVX2, f32 compute, and llama.cpp built without AVX-512 (~5 minutes, once, into
+# .bench-avx2/); on an AVX2-only machine `make bench` measures the real thing
+AVX2_ENV := RICORDO_KERNEL_MARCH=haswell ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 RICORDO_DTYPE=f32 PYTHONPATH=$(CURDIR)/.bench-avx2
+AVX2_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+.bench-avx2/llama_cpp: $(STAMP)
+	$(BIN)/pip install -q diskcache "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" \
+		"sse-starlette>=1.6.1" "starlette-context>=0.3.6,<0.4" "PyYAML>=5.1"
+	CMAKE_ARGS="$(AVX2_CMAKE)" $(BIN)/pip install -q --no-deps --no-binary llama-cpp-python --no-cache-dir \
+		--target .bench-avx2 "llama-cpp-python==0.3.36"
+
+bench-avx2: model .bench-avx2/llama_cpp
+	$(AVX2_ENV) $(BIN)/python bench/bench_model.py --model $(BENCH_MODEL) --dtype f32
+	$(AVX2_ENV) $(BIN)/python bench/bench_agent.py --model $(BENCH_MODEL)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .bench-avx2

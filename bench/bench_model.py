@@ -258,7 +258,18 @@ def cpu_name() -> str:
     fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
     flags = [f for f in fields.get("flags\t\t", "").split() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")]
     name = fields.get("model name\t", "?").strip()
-    return f"{name} ({' '.join(flags) or 'no avx2'})"
+    out = f"{name} ({' '.join(flags) or 'no avx2'})"
+    march, aten = os.environ.get("RICORDO_KERNEL_MARCH", "native"), os.environ.get("ATEN_CPU_CAPABILITY", "")
+    if march != "native" or aten:   # `make bench-avx2`: another machine class emulated on this one
+        out += f", emulating a narrower CPU: kernels -march={march}, torch {aten or 'default'}"
+        try:
+            import llama_cpp
+            info = llama_cpp.llama_print_system_info().decode()
+            out += ", llama.cpp " + " ".join(f.split(" =")[0].strip() for f in info.split("|")
+                                             if f.strip().endswith("= 1") and "AVX" in f)
+        except Exception:   # noqa: BLE001 - no peer installed: nothing to name
+            pass
+    return out
 
 
 def extra_bufts_work(path: str, threads: int) -> bool:
