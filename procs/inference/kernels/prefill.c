@@ -201,7 +201,7 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
     const int rows = nt * G;
     float *Q = buf, *O = Q + (long)rows * D, *S = O + (long)rows * D, *kr = S + (long)rows * NK;
     float *kt = kr + (long)NK * D, *vb = kt + (long)NK * D, *m = vb + (long)NK * D, *l = m + rows;
-    uint32_t *q2 = (uint32_t *)(l + rows), *p2 = q2 + (long)rows * D / 2;   /* the bf16 pairs' rows */
+    uint32_t *q2 = (uint32_t *)(l + rows);   /* the bf16 pairs' rows: q's, then the weights' */
     const int dp = DP && bf16 && D % 64 == 0;
     for (int r = 0; r < rows; r++) {      /* row r: position pos + t0 + r / G, query head r % G */
         const float *src = q + (long)(t0 + r / G) * H * D + (long)(r % G) * D;
@@ -253,6 +253,7 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
             }
 #if DP
             if (dp) {    /* the rounded weights as pairs: exact */
+                uint32_t *p2 = q2 + (long)rows * D / 2;
                 pair_up(S + (long)r0 * NK, M * NK / 2, p2 + (long)r0 * NK / 2);
                 pv_bf(M, p2 + (long)r0 * NK / 2, D, (const uint32_t *)vb, O + (long)r0 * D);
             } else
