@@ -54,11 +54,16 @@ AVX2_ENV := RICORDO_KERNEL_MARCH=haswell ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU
 AVX2_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
 	-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# the pin is pyproject's bench extra; its requirements (the server's) go into the venv
+PEER := $(shell sed -n 's/^bench = \["llama-cpp-python\[server\]\(==[0-9.]*\)"\]/llama-cpp-python\1/p' pyproject.toml)
+PEER_REQS := import sys, importlib.metadata as m; sys.path.insert(0, ".bench-avx2"); \
+	from packaging.requirements import Requirement as R; \
+	print(" ".join(r.name + str(r.specifier) for r in map(R, m.requires("llama-cpp-python")) \
+	                if not r.marker or r.marker.evaluate({"extra": "server"})))
 .bench-avx2/llama_cpp: $(STAMP)
-	$(BIN)/pip install -q diskcache "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" \
-		"sse-starlette>=1.6.1" "starlette-context>=0.3.6,<0.4" "PyYAML>=5.1"
 	CMAKE_ARGS="$(AVX2_CMAKE)" $(BIN)/pip install -q --no-deps --no-binary llama-cpp-python --no-cache-dir \
-		--target .bench-avx2 "llama-cpp-python==0.3.36"
+		--target .bench-avx2 "$(PEER)"
+	$(BIN)/python -c '$(PEER_REQS)' | xargs $(BIN)/pip install -q
 
 bench-avx2: model .bench-avx2/llama_cpp
 	$(AVX2_ENV) $(BIN)/python bench/bench_model.py --model $(BENCH_MODEL) --dtype f32
