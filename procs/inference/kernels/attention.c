@@ -13,9 +13,10 @@
  * scored and weighted by the same code with sums in one fixed order, so sharing changes no
  * bit of any answer. Scores transpose blocks of K rows in registers (one vector of rows per
  * query, no horizontal sums); the V products take several queries per V row. bf16 caches on
- * CPUs with avx512_bf16 skip the widening: a chunk is packed as bf16 pairs once and both
- * products run on vdpbf16ps tiles (pairs.h; q and the weights rounded to bf16), 1.3-1.4x the
- * widened path's rate on a Zen 4 at 4,700-8,000 rows.
+ * CPUs with avx512_bf16 skip the widening: a chunk's K is packed as bf16 pairs once, its V
+ * rows are paired in registers as the products use them, and both products run on vdpbf16ps
+ * tiles (pairs.h; q and the weights rounded to bf16), 1.3-1.4x the widened path's rate on a
+ * Zen 4 at 4,700-8,000 rows.
  *
  * Built by procs/inference/native.py with the other kernels (-O3 -march=native -fopenmp, reassociation allowed so the
  * reductions vectorize: a given build is still deterministic); OpenMP is torch's own
@@ -188,11 +189,13 @@ static void partials(int nq, const float *const *q, float *const *part, const fl
 }
 
 #if PAIRS
-/* partials() on a chunk of bf16 rows packed as pairs (pack_pairs: kp [D/2][CHUNK], vp
- * [CHUNK/2][D], D % 64 == 0): the products in vdpbf16ps tiles, q and the weights rounded to
- * bf16 (pairs.h), in groups of QG queries, tiles of PT. */
+/* partials() on a chunk of bf16 rows: K packed as pairs (pack_k_pairs: kp [D/2][CHUNK]), V
+ * read as the cache holds it (v: n rows of D, pv_tile_rows: a decode chunk serves a few
+ * queries, so interleaving its rows in registers costs less than storing them as pairs);
+ * the products in vdpbf16ps tiles, q and the weights rounded to bf16 (pairs.h), in groups of
+ * QG queries, tiles of PT. D % 64 == 0. */
 static void partials_pairs(int nq, const float *const *q, float *const *part, const uint32_t *kp,
-                           const uint32_t *vp, int D, int n, float scale) {
+                           const uint16_t *v, int D, int n, float scale) {
     float s[QG][CHUNK], o[PT * MAXD];
     uint32_t q2[QG][MAXD / 2], p2[QG][CHUNK / 2];
     const int np = (n + 1) / 2, keys = (n + 63) / 64 * 64;
@@ -211,9 +214,13 @@ static void partials_pairs(int nq, const float *const *q, float *const *part, co
         }
         for (int r0 = 0; r0 < mq; r0 += PT) {
             const int m = mq - r0 < PT ? mq - r0 : PT;
-            memset(o, 0, sizeof(float) * m * D);
-            PAIR_TILES(pv_tile_bf, p2[r0], CHUNK / 2, np, D, vp, o)
-            for (int i = 0; i < m; i++) memcpy(part[i0 + r0 + i], o + (long)i * D, sizeof(float) * D);
+            PAIR_TILES(pv_tile_rows, p2[r0], CHUNK / 2, np, n, D, v, o)
+            for (int i = 0; i < m; i++) {     /* the lanes' order of d back to d's */
+                float *dst = part[i0 + r0 + i];
+                const float *src = o + (long)i * D;
+                for (int d0 = 0; d0 < D; d0 += 64)
+                    for (int p = 0; p < 64; p++) dst[d0 + unpacked_d(p)] = src[d0 + p];
+            }
         }
     }
 }
@@ -301,11 +308,15 @@ int decode_attention_many(int B, const float *const *q, const void *const *k, co
             }
 #if PAIRS
             if (bf16 && D % 64 == 0) {
-                pack_pairs((const uint16_t *)kp, (const uint16_t *)vp, n, CHUNK, D, (uint32_t *)kbuf, (uint32_t *)vbuf);
-                partials_pairs(nq, qs, ps, (const uint32_t *)kbuf, (const uint32_t *)vbuf, D, n, scale);
+                pack_k_pairs((const uint16_t *)kp, n, CHUNK, D, (uint32_t *)kbuf);
+                partials_pairs(nq, qs, ps, (const uint32_t *)kbuf, (const uint16_t *)vp, D, n, scale);
                 continue;
             }
 #endif
+            if (!bf16) {     /* f32 rows are read where they are: a copy would only add stores */
+                partials(nq, qs, ps, (const float *)kp, (const float *)vp, D, n, scale);
+                continue;
+            }
             widen_rows(kp, vp, bf16, (long)n * D, kbuf, vbuf);
             partials(nq, qs, ps, kbuf, vbuf, D, n, scale);
         }

@@ -71,11 +71,10 @@ static inline __attribute__((always_inline)) void pv_tile_bf(const int M, const 
     case 1: F(1, __VA_ARGS__); break; case 2: F(2, __VA_ARGS__); break; case 3: F(3, __VA_ARGS__); break; \
     case 4: F(4, __VA_ARGS__); break; case 5: F(5, __VA_ARGS__); break; case 6: F(6, __VA_ARGS__); break; }
 
-/* A block of nk keys (a multiple of 16; its n valid rows of D bf16 values at k and v, D % 64
- * == 0) as pairs: kp [D/2][nk] (16 x 16 transposes of uint32), vp [nk/2][D] (two rows
- * interleaved). Rows n..nk-1 are zero: they are masked, and must not be NaN (0 * NaN). */
-static inline void pack_pairs(const uint16_t *k, const uint16_t *v, int n, int nk, int D, uint32_t *restrict kp,
-                              uint32_t *restrict vp) {
+/* A block of nk keys (a multiple of 16; its n valid rows of D bf16 values at k, D % 64 == 0)
+ * as pairs: kp [D/2][nk] (16 x 16 transposes of uint32). Rows n..nk-1 are zero: they are
+ * masked, and must not be NaN (0 * NaN). */
+static inline void pack_k_pairs(const uint16_t *k, int n, int nk, int D, uint32_t *restrict kp) {
     const int D2 = D / 2;
     for (int j0 = 0; j0 < nk; j0 += 16)
         for (int d0 = 0; d0 < D2; d0 += 16) {
@@ -85,6 +84,10 @@ static inline void pack_pairs(const uint16_t *k, const uint16_t *v, int n, int n
             transpose(t);
             for (int d = 0; d < 16; d++) _mm512_storeu_ps((float *)(kp + (long)(d0 + d) * nk + j0), t[d]);
         }
+}
+
+/* The block's V rows likewise: vp [nk/2][D] (two rows interleaved), rows n.. zero. */
+static inline void pack_v_pairs(const uint16_t *v, int n, int nk, int D, uint32_t *restrict vp) {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
@@ -95,6 +98,46 @@ static inline void pack_pairs(const uint16_t *k, const uint16_t *v, int n, int n
             _mm512_storeu_si512(vp + (long)j * D + d0, _mm512_permutex2var_epi16(a, lo, b));
             _mm512_storeu_si512(vp + (long)j * D + d0 + 16, _mm512_permutex2var_epi16(a, hi, b));
         }
+}
+
+static inline void pack_pairs(const uint16_t *k, const uint16_t *v, int n, int nk, int D, uint32_t *restrict kp,
+                              uint32_t *restrict vp) {
+    pack_k_pairs(k, n, nk, D, kp);
+    pack_v_pairs(v, n, nk, D, vp);
+}
+
+/* pv_tile_bf on V rows as the cache holds them (v: n rows of D bf16, D % 64 == 0), for a
+ * block read once by few queries: rows 2j and 2j+1 are interleaved in registers as they are
+ * used (vpunpck[lh]wd), not stored as pairs first. The products and their order are
+ * pv_tile_bf's, so each sum has the same bits; only the lanes hold another order of d: o's
+ * value at d0 + p (p < 64) is that of d0 + unpacked_d(p). Rows n.. read as zero. */
+static inline int unpacked_d(int p) {
+    const int g = p & 32, q = p & 31;    /* 32 d per pair of loads; 16 lanes each, 4 per 128 bits */
+    return g + 8 * ((q & 15) >> 2) + 4 * (q >> 4) + (q & 3);
+}
+
+static inline __attribute__((always_inline)) void pv_tile_rows(const int M, const uint32_t *restrict p2, long ldp,
+                                                               int np, int n, int D, const uint16_t *restrict v,
+                                                               float *restrict o) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 acc[PT][4];
+        for (int i = 0; i < M; i++)
+            for (int q = 0; q < 4; q++) acc[i][q] = _mm512_setzero_ps();
+        for (int j = 0; j < np; j++) {
+            const uint16_t *a = v + (long)(2 * j) * D + d0, *b = a + D;
+            const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 32);
+            const __m512i b0 = 2 * j + 1 < n ? _mm512_loadu_si512(b) : _mm512_setzero_si512();
+            const __m512i b1 = 2 * j + 1 < n ? _mm512_loadu_si512(b + 32) : _mm512_setzero_si512();
+            const VB x[4] = {(VB)_mm512_unpacklo_epi16(a0, b0), (VB)_mm512_unpackhi_epi16(a0, b0),
+                             (VB)_mm512_unpacklo_epi16(a1, b1), (VB)_mm512_unpackhi_epi16(a1, b1)};
+            for (int i = 0; i < M; i++) {
+                const VB w = (VB)_mm512_set1_epi32((int)p2[i * ldp + j]);
+                for (int q = 0; q < 4; q++) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], w, x[q]);
+            }
+        }
+        for (int i = 0; i < M; i++)
+            for (int q = 0; q < 4; q++) _mm512_storeu_ps(o + (long)i * D + d0 + q * 16, acc[i][q]);
+    }
 }
 
 /* weights w[0..2 np) that are bf16 values already (rounded by the softmax) as pairs p2 [np] */
