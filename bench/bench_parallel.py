@@ -34,6 +34,7 @@ and the batched decode step reads those rows once for all of them.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
 import statistics
@@ -181,7 +182,11 @@ def main(argv=None) -> int:
             many = phase(srv, trace, [2000 + i for i in range(n)], args)
             peak.stop.set()
             info = srv.http().get("/health").json()
-    res = {"cpu": cpu_name(), "shared_system": args.shared_system, "tool_ms": args.tool_ms, "dtype": info.get("dtype"), "model": info.get("model"), "alone": alone, "many": many,
+    device = info.get("device", "cpu")
+    if device.startswith("cuda"):     # the GPU, named beside the CPU that launches its work
+        import torch
+        device += f" ({torch.cuda.get_device_name()}, CUDA graphs {'off' if os.environ.get('RICORDO_CUDA_GRAPHS', '1') in ('0', 'false') else 'on'})"
+    res = {"cpu": cpu_name(), "device": device, "shared_system": args.shared_system, "tool_ms": args.tool_ms, "dtype": info.get("dtype"), "model": info.get("model"), "alone": alone, "many": many,
            "aggregate_ratio": many["aggregate_tok_s"] / alone["aggregate_tok_s"],
            "ttft_ratio": many["ttft_p50_s"] / alone["ttft_p50_s"],
            "decode_ratio": many["decode_tok_s"] / alone["decode_tok_s"],
@@ -195,7 +200,7 @@ def main(argv=None) -> int:
             ("p50 stream tok/s", f"{alone['stream_tok_s_p50']:.1f}", f"{many['stream_tok_s_p50']:.1f}", ""),
             ("restores from disk", str(alone["disk_restores"]), str(many["disk_restores"]), ""),
             ("least cached share", f"{alone['cached_share_min']:.3f}", f"{many['cached_share_min']:.3f}", "")]
-    txt = "\n".join([f"CPU: {res['cpu']}; dtype {res['dtype']}; model {res['model']}; first prompts "
+    txt = "\n".join([f"CPU: {res['cpu']}; device {res['device']}; dtype {res['dtype']}; model {res['model']}; first prompts "
                      f"~{many['first_prompt_tokens']:.0f} tokens"
                      f"{' (one system prompt)' if args.shared_system else ''}; {args.turns - 1} later turns each, "
                      f"{args.answer_tokens} answer tokens"

@@ -39,6 +39,8 @@ class Settings:
     decode_kernels: str = opt("native", "decode on the CPU: a whole step in C kernels built once with this machine's "
                               "gcc (cached under ~/.cache/ricordo/kernels; torch's ops when they cannot be built), "
                               "or torch's ops", ("generate", "inference"), ("native", "torch"))
+    cuda_graphs: bool = opt(True, "decode steps on CUDA replay a captured graph per batch of sessions (one launch "
+                            "instead of hundreds); off: torch's ops launched one by one", ("generate", "inference"))
     prefill_attention: str = opt("auto", "prefill's attention on the CPU: the native kernel (f32 FMA tiles; bf16 pairs "
                                  "where the CPU has avx512_bf16), torch's SDPA, or auto: native unless bf16 GEMMs run "
                                  "on AMX", ("generate", "inference"), ("auto", "native", "sdpa"))
@@ -62,7 +64,7 @@ class Settings:
     n_predict: int = opt(0, "most tokens one answer may have, whatever the request asks (0 = until the context "
                          "is full), as llama.cpp's --n-predict", ("renderer",))
     kv_ram_space_mb: int = opt(0, "memory budget for the K/V of the sessions kept resident (0 = a quarter of the "
-                               "memory available when inference starts)", ("generate", "inference"))
+                               "memory available when inference starts: the GPU's on CUDA)", ("generate", "inference"))
     max_live_sessions: int = opt(4, "conversations kept resident in memory at most; a session leaving memory "
                                  "is checkpointed (evict) first", ("generate", "renderer", "inference"))
     parallel: int = opt(4, "requests run at once, each in its own session (at most --max-live-sessions): their "
@@ -113,7 +115,9 @@ class Settings:
             default = cls._env(f, env)
             help_ = f"{f.metadata['help']} [env {env}]"
             if f.type in ("bool", bool):
-                ap.add_argument(flag, action="store_true", default=default, help=help_)
+                # a setting on by default is turned off with --no-<name>
+                ap.add_argument(flag, action=argparse.BooleanOptionalAction if f.default else "store_true",
+                                default=default, help=help_)
             else:
                 typ = {"int": int, "str": str, "float": float}[str(f.type)]
                 ap.add_argument(flag, type=typ, default=default, help=help_,

@@ -165,6 +165,8 @@ class KVSession:
         return {n: v for n, v in out.items() if n in logits_at}
 
     def decode(self, token: int) -> torch.Tensor:
+        if self.model.graphs is not None and not self.exact:   # CUDA: a replayed graph
+            return decode_many([self], [token])[0]
         self.prefill([token], _decode=True)
         return self.logits
 

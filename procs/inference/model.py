@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from procs.inference.graphs import GraphDecoder
 from procs.inference.loader import LoadedWeights
 from procs.inference.moe import MoE
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
@@ -50,18 +51,24 @@ class Layer(NamedTuple):
 
 class Llama:
     def __init__(self, w: LoadedWeights, max_context: int, packed: bool = True, kernels=None,
-                 cache: PackCache | None = None, native_prefill: bool = True):
+                 cache: PackCache | None = None, native_prefill: bool = True, cuda_graphs: bool = False):
         """packed: decode reads the packed weight copies; False keeps every decode row on the
         dense weights. kernels: procs/inference/native.Kernels; a model they take decodes in
         one native call per token (native.Decoder), another uses their attention kernel
         where it takes the head layout. None: torch's ops only. cache: the native packs
         from an earlier load (procs/inference/packcache.py), and where this one's go.
-        native_prefill: prefill's attention (outside exact mode) in the kernels' prefill.c."""
+        native_prefill: prefill's attention (outside exact mode) in the kernels' prefill.c.
+        cuda_graphs: batched decode steps replay captured graphs (graphs.py) where they can."""
         c = self.cfg = w.config
         t = w.tensors
         self.fingerprint = w.fingerprint
         self.norm = t["norm"]
         self.dtype, self.device = self.norm.dtype, self.norm.device
+        if self.device.type == "cuda":
+            # cuDNN's SDPA plans each new shape on the host: 1.3 ms a call, and decode's key
+            # count is new every step (H200, torch 2.11: 38 of a 41 ms step at 4,000 tokens).
+            # Flash / memory-efficient / math take any shape without planning.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         fits = kernels is not None and kernels.attention.takes(c.n_heads // c.n_kv_heads, c.head_dim) \
             and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu"
         self.attend = kernels.attention if fits else _decode_attention
@@ -132,6 +139,7 @@ class Llama:
         self.max_context = max_context
         self.ensure_rope(1)
         self.decoder = kernels.decoder(self) if native else None
+        self.graphs = GraphDecoder(self) if cuda_graphs and GraphDecoder.takes(self) else None
 
     def _output_and_embedding(self, t, q4, q8, q8p, packed: bool, native: bool, cache=None) -> None:
         """The output projection and the embedding. Native: the decoder reads the projection
@@ -285,6 +293,8 @@ class Llama:
         each sequence alone there. share: Decoder.batch's (rows shared between sequences,
         read once by the native decoder; the other paths ignore it)."""
         B = len(ids)
+        if self.graphs is not None and not exact:
+            return self.graphs(ids, pos, caches)
         if B == 1 or (exact and self.decoder is None):
             return torch.cat([self.forward(torch.tensor([t], device=self.device), p, kc, vc, [0])
                               for t, p, (kc, vc) in zip(ids, pos, caches)])
@@ -314,6 +324,40 @@ class Llama:
             return torch.cat(out)                                              # [B, H*D]
         x = self._blocks(x, ropes, lambda f, h: f(h), dense, attend)
         return self._head(x, list(range(B)), 0)
+
+    @torch.inference_mode()
+    def decode_static(self, ids: torch.Tensor, pos: torch.Tensor, caches: list) -> torch.Tensor:
+        """decode_batch's step with every shape fixed by the caches alone, as a CUDA graph
+        needs (procs/inference/graphs.py): ids and pos are device tensors [B]; K/V rows are
+        written at pos[b] by index, and each sequence attends to its cache's whole capacity
+        under a mask of the rows it can see. Rows past a sequence's length must hold finite
+        values (0 x NaN would poison the sum): graphs.py zeroes them before capture. The
+        caller fills the rotary tables up to max(pos) first. Returns float32 logits [B, V]."""
+        c = self.cfg
+        H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        x = self.embed_rows(ids)                                               # [B, dim]
+        if c.embed_scale:
+            x = x * c.embed_scale
+        ropes = [(cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)) for cos, sin in self.rope]
+        masks = {}     # (window, sequence) -> float32 [capacity]
+
+        def mask(b: int, window: int, cap: int) -> torch.Tensor:
+            if (window, b) not in masks:
+                masks[window, b] = _mask(pos[b:b + 1].unsqueeze(1), torch.arange(cap, device=self.device),
+                                         window, torch.float32).view(cap)
+            return masks[window, b]
+
+        def attend(li: int, ly: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = []
+            for b, (kc, vc) in enumerate(caches):
+                kc[li].index_copy_(1, pos[b:b + 1], k[b].unsqueeze(1))
+                vc[li].index_copy_(1, pos[b:b + 1], v[b].view(KV, 1, D))
+                # the grouped-heads product of the CPU path, masked: SDPA with a mask and
+                # grouped heads falls back to its math path, which copies K/V per query head
+                out.append(_decode_attention(q[b], kc[li], vc[li], self.scale, mask(b, ly.window, kc.shape[2])))
+            return torch.cat(out)                                              # [B, H*D]
+        x = self._blocks(x, ropes, lambda f, h: f(h), dense, attend)
+        return self._head(x, None, 0)
 
     def _blocks(self, x: torch.Tensor, ropes, lin, mm, attend) -> torch.Tensor:
         """Every layer on the rows x [T, dim]: lin(Linear, h) and mm(h, w) are the linears
@@ -346,10 +390,13 @@ class Llama:
             x = x + o
         return x
 
-    def _head(self, x: torch.Tensor, rows: list[int], pad_to: int) -> torch.Tensor:
-        """float32 logits [len(rows), V] of the final hidden rows x[rows]."""
+    def _head(self, x: torch.Tensor, rows: list[int] | None, pad_to: int) -> torch.Tensor:
+        """float32 logits [len(rows), V] of the final hidden rows x[rows] (None: all rows, no
+        index: a CUDA graph cannot copy one from the host)."""
         c = self.cfg
         T = x.shape[0]
+        if rows is None:
+            rows = list(range(T)) if self.lm_head is None or pad_to else slice(None)
         if self.lm_head is None:   # the packed projection, row by row (so exact mode's rows hold)
             x = F.rms_norm(x[rows], (c.dim,), self.norm, c.norm_eps)
             if not rows:
@@ -379,14 +426,18 @@ def _mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int, dtype) -> torch.T
     return torch.zeros(hidden.shape, dtype=dtype, device=qpos.device).masked_fill_(hidden, float("-inf"))
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row against S keys on the CPU: q [H, D], k and v [KV, S, D] -> [1, H*D].
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One query row against S keys on the CPU: q [H, D], k and v [KV, S, D] -> [1, H*D];
+    mask: float32 [S] added to the scores (decode_static's: -inf where a row is not to be seen).
     The H/KV query heads that share a K/V head go as one small GEMM per K/V head. SDPA's CPU
     path for a single bf16 row is 4-15x slower (2 threads, avx512_bf16: 14.9 against 1.0 ms
     per layer at 23k keys; f32 alike), and at an agent's context attention is most of a
     decode step. Softmax in f32, as SDPA does."""
     H, D = q.shape
     KV = k.shape[0]
-    s = torch.bmm(q.view(KV, H // KV, D), k.transpose(1, 2))                  # [KV, G, S]
-    p = torch.softmax(s.float() * scale, dim=-1).to(v.dtype)
+    s = torch.bmm(q.view(KV, H // KV, D), k.transpose(1, 2)).float() * scale  # [KV, G, S]
+    if mask is not None:
+        s = s + mask
+    p = torch.softmax(s, dim=-1).to(v.dtype)
     return torch.bmm(p, v).view(1, H * D)

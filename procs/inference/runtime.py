@@ -105,7 +105,7 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     if kernels is not None and s.packed_cache_path() and os.path.isfile(path):
         cache = PackCache(cache_file(s.packed_cache_path(), path, dtype, packed))
     model = Llama(w, max(ctx, 1), packed=packed, kernels=kernels, cache=cache,
-                  native_prefill=native_prefill(s, dtype))
+                  native_prefill=native_prefill(s, dtype), cuda_graphs=s.cuda_graphs)
     del w
     _trim_heap()
     secs = time.perf_counter() - t0

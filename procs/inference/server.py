@@ -85,7 +85,7 @@ class Worker(Placement, Runs):
         self.s, self.log = s, log
         self.model, self.n_ctx, load_s = build(s)
         self.sessions = Sessions(lambda: KVSession(self.model, self.n_ctx, s.chunk_size, exact=s.deterministic),
-                                 budget_bytes(s.kv_ram_space_mb), s.max_live_sessions)
+                                 budget_bytes(s.kv_ram_space_mb, self.model.device), s.max_live_sessions)
         c = self.model.cfg
         self.row_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.model.norm.element_size()
         self.guides = Guides(load_text(resolve(s.model, s.models_path())))

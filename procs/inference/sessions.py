@@ -14,16 +14,22 @@ import collections
 from typing import Callable
 
 import psutil
+import torch
 
 from common import messages as m
 from procs.inference.kvsession import KVSession
 
-# Without --kv-ram-space-mb: this share of the memory available when inference starts.
+# Without --kv-ram-space-mb: this share of the memory available when inference starts, the
+# device's own on CUDA (that is where the sessions' K/V live; host RAM does not bound it).
 RAM_SHARE = 0.25
 
 
-def budget_bytes(mb: int) -> int:
-    return mb << 20 if mb > 0 else int(psutil.virtual_memory().available * RAM_SHARE)
+def budget_bytes(mb: int, device: torch.device | str = "cpu") -> int:
+    if mb > 0:
+        return mb << 20
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * RAM_SHARE)
+    return int(psutil.virtual_memory().available * RAM_SHARE)
 
 
 class Sessions:

@@ -91,8 +91,12 @@ def test_conversations_on_one_system_prompt_read_it_once_and_answer_as_alone(tmp
         busy = {p: value(m, "ricordo_inference_busy_seconds_total", phase=p) for p in ("prefill", "decode")}
         both = together(ask_shop, list(QUESTIONS))
         after = srv.metric("ricordo_decode_shared_rows_total")
+        device = srv.http().get("/health").json()["device"]
     assert both == alone and all(alone)
-    assert after - before >= 256, (before, after)     # whole chunks, at least one step of two
+    if device == "cpu":   # the native decoder reads shared rows once; torch's ops on CUDA do not
+        assert after - before >= 256, (before, after)     # whole chunks, at least one step of two
+    else:
+        assert after == before == 0, (before, after)
     assert busy["prefill"] > 0 and busy["decode"] > 0, busy
 
 

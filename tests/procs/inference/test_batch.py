@@ -88,3 +88,49 @@ def test_torch_path_batches_within_rounding_and_exactly_when_exact(model_path):
         assert (la - lb).abs().max().item() < 1e-2 * la.abs().max().item()
     for (ta, la), (tb, lb) in zip(alone(m, ps, exact=True), together(m, ps, exact=True)):
         assert ta == tb and torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])     # gemma: windowed layers
+def test_static_step_equals_the_batched_step(name):
+    """Llama.decode_static (what a CUDA graph captures: positions as a tensor, attention over
+    each cache's whole capacity under a mask) gives decode_batch's logits, sequences past
+    Gemma's 512-token window included, once the rows past each length are cleared; with NaN
+    left there, the masked rows poison the sum (why graphs.py clears them)."""
+    from common.config import Settings
+    from common.models import resolve
+    from procs.inference.graphs import clear_past
+    from procs.inference.loader import load
+    m = Llama(load(resolve(name, Settings().models_path()), torch.float32, "cpu"), 2048, packed=False)  # torch, f32
+    ps = [[1 + (i * 7 + j * 13) % 3000 for j in range(n)] for i, n in enumerate((300, 530, 610))]
+    ref, got = sessions_of(m, ps), sessions_of(m, ps)
+    for step in range(3):
+        toks = [int(s.logits.argmax()) for s in ref]
+        want = torch.stack(decode_many(ref, toks))
+        for s in got:
+            s.reserve(len(s) + 1)
+        pos = [len(s) for s in got]
+        caches = [(s.k, s.v) for s in got]
+        m.ensure_rope(max(pos) + 1)
+        if step == 0:
+            for kc, vc in caches:
+                kc[:, :, len(kc[0, 0]) - 1:].fill_(float("nan"))
+            poisoned = m.decode_static(torch.tensor(toks), torch.tensor(pos), caches)
+            assert poisoned.isnan().all(dim=1).all()
+        clear_past(caches, pos)
+        out = m.decode_static(torch.tensor(toks), torch.tensor(pos), caches)
+        for s, t, row in zip(got, toks, out):
+            s.tokens.append(t)
+            s.logits = row
+        assert out.shape == want.shape and torch.equal(out.argmax(dim=1), want.argmax(dim=1))
+        assert (out - want).abs().max().item() <= 1e-3 * want.abs().max().item()
+        for a, b in zip(ref, got):                       # the same rows written, where they belong
+            assert torch.allclose(a.k[:, :, :len(a)], b.k[:, :, :len(b)], atol=1e-3)
+
+
+def sessions_of(model: Llama, ps) -> list[KVSession]:
+    out = []
+    for p in ps:
+        s = KVSession(model, 2048, 512)
+        s.prefill(p)
+        out.append(s)
+    return out
