@@ -1,0 +1,50 @@
+"""Decode steps on CUDA: replayed graphs (--cuda-graphs, the default) against torch's ops
+launched one by one (--no-cuda-graphs), in one process and one run, one sequence and four
+(kvsession.decode_many) at two contexts; medians of 40 steps after two warm-up steps.
+
+    python bench/bench_graphs.py            (a CUDA machine; the default model)
+
+Figures and the machine they came from: bench/RESULTS-cuda.md.
+"""
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.bench_model import cpu_name  # noqa: E402
+from common.config import Settings  # noqa: E402
+from procs.inference.kvsession import KVSession, decode_many  # noqa: E402
+from procs.inference.runtime import build  # noqa: E402
+from tests.conftest import default_model_path  # noqa: E402
+
+
+def ms(f, n=40):
+    f(); f(); torch.cuda.synchronize()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter(); f(); torch.cuda.synchronize(); out.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(out)
+
+
+if not torch.cuda.is_available():
+    sys.exit("no CUDA device: this bench times CUDA graphs")
+print(f"CPU: {cpu_name()}; GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
+ids = list(range(1000, 1100))
+for graphs in (True, False):
+    model, _, _ = build(Settings(model=default_model_path(), device="cuda", ctx_size=8192, cuda_graphs=graphs))
+    for ctx in (500, 4000):
+        one = KVSession(model, 8192, 512); one.prefill((ids * 80)[:ctx])
+        four = []
+        for i in range(4):
+            s = KVSession(model, 8192, 512); s.prefill([i + 7] + (ids * 80)[:ctx]); four.append(s)
+        a = ms(lambda: decode_many([one], [42]))
+        b = ms(lambda: decode_many(four, [42] * 4))
+        print(f"graphs={graphs} ctx~{ctx}: 1 sequence {a:.2f} ms/step ({1000 / a:.0f} tok/s), "
+              f"4 sequences {b:.2f} ms/step ({4000 / b:.0f} tok/s, {a * 4 / b:.2f}x)", flush=True)
+    if graphs:
+        print("captures:", model.graphs.captures if model.graphs else "graphs turned off")
+    del model
+    torch.cuda.empty_cache()
