@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test stress bench bench-avx2 model install agents clean
+.PHONY: serve test stress bench bench-avx2 cuda-check model install agents clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,14 @@ test: model
 # the whole stress campaign (`make test` runs its fast subset); numbers in bench/RESULTS-stress.md
 stress: model
 	RICORDO_STRESS=full $(BIN)/python -m pytest -q -rxs tests/stress
+
+# on a CUDA machine (the CUDA build of torch installed first: README, GPU): the CUDA tests, then
+# graphs against eager ops in process and over HTTP (bench/RESULTS-cuda.md)
+cuda-check: model
+	$(BIN)/python -m pytest -q -rs tests/procs/inference/test_cuda.py tests/e2e/test_batch.py tests/e2e/test_sessions.py
+	$(BIN)/python bench/bench_graphs.py
+	$(BIN)/python bench/bench_parallel.py
+	RICORDO_CUDA_GRAPHS=0 $(BIN)/python bench/bench_parallel.py
 
 # Codex CLI and Claude Code in agents/node_modules (npm, not global); tests/e2e/test_real_agents.py runs them
 agents:

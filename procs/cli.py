@@ -47,7 +47,7 @@ def _generate(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from common.detok import Detokenizer
-    from procs.inference.kvsession import KVSession
+    from procs.inference.kvsession import KVSession, decode_many
     from procs.inference.sampling import Sampler
 
     prompt = a.prompt
@@ -75,7 +75,7 @@ def _generate(argv) -> int:
         sys.stdout.flush()
         if len(sess) >= ctx:
             break
-        logits = sess.decode(tok)
+        logits = decode_many([sess], [tok])[0]      # a batch of one: CUDA replays its graph
     t2 = time.perf_counter()
     sys.stdout.write(detok.flush() + "\n")
     print(f"[load {load_s:.2f} s | prefill {len(ids)} tok {len(ids) / (t1 - t0):.1f} tok/s | "

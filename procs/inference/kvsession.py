@@ -165,8 +165,9 @@ class KVSession:
         return {n: v for n, v in out.items() if n in logits_at}
 
     def decode(self, token: int) -> torch.Tensor:
-        if self.model.graphs is not None and not self.exact:   # CUDA: a replayed graph
-            return decode_many([self], [token])[0]
+        """One token; on CUDA, torch's ops launched one by one: a one-off step (an
+        answer's last token) costs less that way than a graph's warm-up and capture, two
+        such steps. A loop of steps goes through decode_many (the CUDA graphs)."""
         self.prefill([token], _decode=True)
         return self.logits
 
