@@ -185,7 +185,8 @@ def main(argv=None) -> int:
     device = info.get("device", "cpu")
     if device.startswith("cuda"):     # the GPU, named beside the CPU that launches its work
         import torch
-        device += f" ({torch.cuda.get_device_name()}, CUDA graphs {'off' if os.environ.get('RICORDO_CUDA_GRAPHS', '1') in ('0', 'false') else 'on'})"
+        graphs = os.environ.get("RICORDO_CUDA_GRAPHS", "1").strip().lower() in ("1", "true", "yes", "on")
+        device += f" ({torch.cuda.get_device_name()}, CUDA graphs {'on' if graphs else 'off'})"
     res = {"cpu": cpu_name(), "device": device, "shared_system": args.shared_system, "tool_ms": args.tool_ms, "dtype": info.get("dtype"), "model": info.get("model"), "alone": alone, "many": many,
            "aggregate_ratio": many["aggregate_tok_s"] / alone["aggregate_tok_s"],
            "ttft_ratio": many["ttft_p50_s"] / alone["ttft_p50_s"],

@@ -291,7 +291,8 @@ class Llama:
         torch's batched GEMMs may round differently from its one-row ones, so exact (the
         --deterministic promise that an answer does not depend on what else runs) decodes
         each sequence alone there. share: Decoder.batch's (rows shared between sequences,
-        read once by the native decoder; the other paths ignore it)."""
+        read once by the native decoder; the other paths ignore it). On CUDA the step is a
+        replayed graph of decode_static (graphs.py), except in exact mode."""
         B = len(ids)
         if self.graphs is not None and not exact:
             return self.graphs(ids, pos, caches)
@@ -428,7 +429,8 @@ def _mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int, dtype) -> torch.T
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One query row against S keys on the CPU: q [H, D], k and v [KV, S, D] -> [1, H*D];
+    """One query row against S keys (the CPU's decode; decode_static's on any device):
+    q [H, D], k and v [KV, S, D] -> [1, H*D];
     mask: float32 [S] added to the scores (decode_static's: -inf where a row is not to be seen).
     The H/KV query heads that share a K/V head go as one small GEMM per K/V head. SDPA's CPU
     path for a single bf16 row is 4-15x slower (2 threads, avx512_bf16: 14.9 against 1.0 ms
