@@ -10,9 +10,12 @@ buffers before each replay, and its logits are copied out after.
 Invariants: a graph is replayed only while every K/V tensor it captured is alive and is the
 one its batch holds now (weak references, compared by identity): a session that grew (new
 tensors) or left memory gets a new graph, and a graph never writes memory it does not own.
-Rows past a session's length are zeroed before capture, since the step attends to the whole
-capacity under a mask and 0 x NaN would poison the sum; after that, every row written there
-is a real K/V row (finite). Outputs are copied before the next replay may overwrite them.
+The step attends to the whole capacity under a mask, and 0 x NaN would poison the sum, so
+every row of a K/V tensor it reads is finite: KVSession.reserve zeroes the rows it allocates
+on a GPU (a restored windowed layer's rows below its floor are never written otherwise), and
+rows past a session's length are zeroed again before capture (clear_past); after that every
+row written there is a real K/V row. Outputs are copied before the next replay may overwrite
+them.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ class GraphDecoder:
     def __init__(self, model, max_graphs: int = MAX_GRAPHS):
         self.model, self.max_graphs = model, max_graphs
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None       # one memory pool for all graphs, made at the first capture
         self.captures = 0
 
     @staticmethod
@@ -60,8 +63,9 @@ class GraphDecoder:
         from the router's values)."""
         return model.device.type == "cuda" and not model.cfg.n_experts
 
-    def __call__(self, ids: list[int], pos: list[int], caches: list) -> torch.Tensor:
-        """float32 logits [B, V] of one decode step: ids[b] at pos[b] in caches[b] = (kc, vc)."""
+    def __call__(self, ids: list[int], pos: list[int], caches: list) -> torch.Tensor | None:
+        """float32 logits [B, V] of one decode step: ids[b] at pos[b] in caches[b] = (kc, vc);
+        None when this step is the eager ops' (a capture failed)."""
         key = tuple((id(kc), id(vc)) for kc, vc in caches)
         g = self.graphs.get(key)
         if g is not None and not g.holds(caches):
@@ -72,10 +76,15 @@ class GraphDecoder:
         if g is None:
             try:
                 g = self.capture(host, caches)
+            except torch.OutOfMemoryError:   # this step eagerly, and the other graphs' memory freed
+                log.warning("CUDA graph capture out of memory: %d graphs dropped, this step eager",
+                            len(self.graphs))
+                self.graphs.clear()
+                return None
             except RuntimeError as e:   # an op that cannot be captured: torch's eager ops from now on
                 log.warning("CUDA graphs off: capture failed (%s); decode launches op by op", e)
                 self.model.graphs = None
-                return self.model.decode_batch(ids, pos, caches)
+                return None
             self.graphs[key] = g
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
@@ -97,6 +106,8 @@ class GraphDecoder:
         with torch.cuda.stream(side):
             self.model.decode_static(ids, pos, caches)
         torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.model.decode_static(ids, pos, caches)

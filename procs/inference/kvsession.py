@@ -79,13 +79,15 @@ class KVSession:
         held = min(len(self.tokens), self.k.shape[2])
         for name in ("k", "v"):
             old = getattr(self, name)
-            # empty, not zeros: rows past the length are never read (a windowed layer's rows
-            # below its floor neither), so their pages stay untouched and cost no memory
-            # until written; exact mode's attention reads whole padded chunks, masked, and
-            # garbage there could be NaN (0 x NaN): zeroed
+            # empty, not zeros, on the CPU: rows past the length are never read there (a
+            # windowed layer's rows below its floor neither), so their pages stay untouched
+            # and cost no memory until written. Zeroed where some path reads them, masked,
+            # since garbage there could be NaN or inf (0 x NaN): exact mode's attention reads
+            # whole padded chunks, and a CUDA graph's step (graphs.py) the whole capacity,
+            # the rows below a restored windowed layer's floor included
             new = torch.empty(old.shape[:2] + (cap, old.shape[3]), dtype=old.dtype, device=old.device)
             new[:, :, :held] = old[:, :, :held]
-            if self.exact:
+            if self.exact or new.device.type != "cpu":
                 new[:, :, held:].zero_()
             setattr(self, name, new)
 

@@ -295,7 +295,9 @@ class Llama:
         replayed graph of decode_static (graphs.py), except in exact mode."""
         B = len(ids)
         if self.graphs is not None and not exact:
-            return self.graphs(ids, pos, caches)
+            out = self.graphs(ids, pos, caches)
+            if out is not None:
+                return out
         if B == 1 or (exact and self.decoder is None):
             return torch.cat([self.forward(torch.tensor([t], device=self.device), p, kc, vc, [0])
                               for t, p, (kc, vc) in zip(ids, pos, caches)])

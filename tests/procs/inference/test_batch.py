@@ -134,3 +134,30 @@ def sessions_of(model: Llama, ps) -> list[KVSession]:
         s.prefill(p)
         out.append(s)
     return out
+
+
+def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
+    """graphs.GraphDecoder's failures, with its capture replaced by one that fails (CUDA graphs
+    need a GPU; the bookkeeping does not): out of memory, the step runs on torch's eager ops
+    and graphs stay on; any other error turns them off. Either way the answer is the eager
+    one, bit for bit."""
+    from procs.inference.graphs import GraphDecoder
+    from procs.inference.loader import load
+    m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    assert m.graphs is None                                   # none on the CPU
+    ps = prompts(3)
+    toks = [5, 6, 7]
+    want = decode_many(sessions_of(m, ps), toks)
+    m.graphs = GraphDecoder(m)
+
+    def oom(host, caches):
+        raise torch.OutOfMemoryError("no memory for the capture")
+    monkeypatch.setattr(m.graphs, "capture", oom)
+    got = decode_many(sessions_of(m, ps), toks)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and m.graphs is not None
+
+    def unsupported(host, caches):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(m.graphs, "capture", unsupported)
+    got = decode_many(sessions_of(m, ps), toks)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and m.graphs is None

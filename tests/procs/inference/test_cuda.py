@@ -1,8 +1,9 @@
 """The model on a CUDA device, as the server builds it there (bf16, torch's ops, no native
 kernels, decode steps replayed from CUDA graphs): parity with llama.cpp's reference vectors,
 batched decode against one sequence at a time and against torch's eager ops, a graph's replay
-against the step it captured, a checkpoint's rows through a shared-memory slot and back, and
-the K/V budget sized from the device's memory. Skipped where torch sees no CUDA device (CI has none); run on a GPU
+against the step it captured, a restored windowed session (rows below its floors), a
+checkpoint's rows through a shared-memory slot and back, and the K/V budget sized from the
+device's memory. Skipped where torch sees no CUDA device (CI has none); run on a GPU
 machine with `pytest tests/procs/inference/test_cuda.py -s`.
 """
 from __future__ import annotations
@@ -125,6 +126,28 @@ def test_a_replay_is_the_step_it_captured(gpu, vectors):
         assert graphs.captures == start + 1
         decode_many(a, [int(torch.argmax(s.logits)) for s in a])
     assert graphs.captures == start + 2
+
+
+def test_a_restored_windowed_session_reads_zeros_below_its_floors():
+    """Gemma 3 (512-token window): a checkpoint of 700 tokens holds only the last 512 rows of
+    its windowed layers. Restored into GPU memory that held NaN, the session's graph step reads
+    the rows below those layers' floors (masked), which reserve() zeroed: finite logits, those
+    of the session it was exported from."""
+    gem, _, _ = build(Settings(model="gemma3-270m", device="auto", dtype="auto", ctx_size=2048))
+    assert gem.graphs is not None
+    src = KVSession(gem, 2048, 512)
+    src.prefill([1 + (j * 13) % 3000 for j in range(700)])
+    tokens, k, v = src.export()
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")   # the allocator's next blocks held NaN
+    del junk
+    dst = KVSession(gem, 2048, 512)
+    dst.import_(tokens, src.logits, k, v)
+    assert dst.window_floor > 0
+    t = int(torch.argmax(src.logits))
+    got = decode_many([dst], [t])[0]
+    want = src.decode(t)                                          # torch's eager ops
+    assert torch.isfinite(got).all()
+    assert int(torch.argmax(got)) == int(torch.argmax(want)) and (got - want).abs().max().item() <= 2.0
 
 
 def test_checkpoint_rows_through_a_slot(gpu, vectors, tmp_path):
