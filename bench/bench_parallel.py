@@ -34,7 +34,6 @@ and the batched decode step reads those rows once for all of them.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import re
 import statistics
@@ -52,6 +51,7 @@ sys.path.insert(0, str(REPO))
 from bench.bench_agent import conversation  # noqa: E402
 from bench.bench_model import cpu_name  # noqa: E402
 from bench.report import emit, log  # noqa: E402
+from common.config import Settings  # noqa: E402
 from tests.e2e.server import Server  # noqa: E402
 
 HIT = re.compile(r"KV cache: hit for sha1=")
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     device = info.get("device", "cpu")
     if device.startswith("cuda"):     # the GPU, named beside the CPU that launches its work
         import torch
-        graphs = os.environ.get("RICORDO_CUDA_GRAPHS", "1").strip().lower() in ("1", "true", "yes", "on")
+        graphs = Settings.parser("inference").parse_args([]).cuda_graphs    # as the server reads it
         device += f" ({torch.cuda.get_device_name()}, CUDA graphs {'on' if graphs else 'off'})"
     res = {"cpu": cpu_name(), "device": device, "shared_system": args.shared_system, "tool_ms": args.tool_ms, "dtype": info.get("dtype"), "model": info.get("model"), "alone": alone, "many": many,
            "aggregate_ratio": many["aggregate_tok_s"] / alone["aggregate_tok_s"],

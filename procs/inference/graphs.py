@@ -25,6 +25,9 @@ import weakref
 
 import torch
 
+from procs.inference.linear import dense
+from procs.inference.torch_attention import causal_mask, decode_attention
+
 log = logging.getLogger("inference")
 
 # graphs kept, least recently used dropped first: a batch's sessions come back turn after
@@ -33,10 +36,45 @@ MAX_GRAPHS = 8
 
 
 def clear_past(caches: list, lengths: list[int]) -> None:
-    """Zero each cache's rows from its sequence's length on (decode_static reads them, masked)."""
+    """Zero each cache's rows from its sequence's length on (static_step reads them, masked)."""
     for (kc, vc), n in zip(caches, lengths):
         kc[:, :, n:].zero_()
         vc[:, :, n:].zero_()
+
+
+@torch.inference_mode()
+def static_step(model, ids: torch.Tensor, pos: torch.Tensor, caches: list) -> torch.Tensor:
+    """Llama.decode_batch's step with every shape fixed by the caches alone, as a CUDA graph
+    needs: ids and pos are device tensors [B]; K/V rows are written at pos[b] by index, and
+    each sequence attends to its cache's whole capacity under a mask of the rows it can see.
+    Every row there must be finite (0 x NaN would poison the sum): KVSession.reserve and
+    clear_past see to it. The caller fills the rotary tables up to max(pos) first. Returns
+    float32 logits [B, V]."""
+    c = model.cfg
+    H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+    x = model.embed_rows(ids)                                                  # [B, dim]
+    if c.embed_scale:
+        x = x * c.embed_scale
+    ropes = [(cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)) for cos, sin in model.rope]
+    masks = {}     # (window, sequence) -> float32 [capacity]
+
+    def mask(b: int, window: int, cap: int) -> torch.Tensor:
+        if (window, b) not in masks:
+            masks[window, b] = causal_mask(pos[b:b + 1].unsqueeze(1), torch.arange(cap, device=model.device),
+                                           window, torch.float32).view(cap)
+        return masks[window, b]
+
+    def attend(li: int, ly: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = []
+        for b, (kc, vc) in enumerate(caches):
+            kc[li].index_copy_(1, pos[b:b + 1], k[b].unsqueeze(1))
+            vc[li].index_copy_(1, pos[b:b + 1], v[b].view(KV, 1, D))
+            # the grouped-heads product of the CPU path, masked: SDPA with a mask and
+            # grouped heads falls back to its math path, which copies K/V per query head
+            out.append(decode_attention(q[b], kc[li], vc[li], model.scale, mask(b, ly.window, kc.shape[2])))
+        return torch.cat(out)                                                  # [B, H*D]
+    x = model._blocks(x, ropes, lambda f, h: f(h), dense, attend)
+    return model._head(x, None, 0)
 
 
 class _Graph:
@@ -49,7 +87,7 @@ class _Graph:
 
 
 class GraphDecoder:
-    """Llama.decode_static's step, captured per batch of caches and replayed."""
+    """static_step, captured per batch of caches and replayed."""
 
     def __init__(self, model, max_graphs: int = MAX_GRAPHS):
         self.model, self.max_graphs = model, max_graphs
@@ -104,12 +142,12 @@ class GraphDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.model.decode_static(ids, pos, caches)
+            static_step(self.model, ids, pos, caches)
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.model.decode_static(ids, pos, caches)
+            out = static_step(self.model, ids, pos, caches)
         self.captures += 1
         return _Graph(caches, ids, pos, graph, out)

@@ -25,6 +25,7 @@ from procs.inference.moe import MoE
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
 from procs.inference.native import QUANTIZED
 from procs.inference.packcache import PackCache
+from procs.inference.torch_attention import causal_mask as _mask, decode_attention as _decode_attention
 
 
 # Exact mode runs attention on blocks of this many query rows (padded), so that a short
@@ -292,7 +293,7 @@ class Llama:
         --deterministic promise that an answer does not depend on what else runs) decodes
         each sequence alone there. share: Decoder.batch's (rows shared between sequences,
         read once by the native decoder; the other paths ignore it). On CUDA the step is a
-        replayed graph of decode_static (graphs.py), except in exact mode."""
+        replayed graph of graphs.static_step, except in exact mode."""
         B = len(ids)
         if self.graphs is not None and not exact:
             out = self.graphs(ids, pos, caches)
@@ -327,40 +328,6 @@ class Llama:
             return torch.cat(out)                                              # [B, H*D]
         x = self._blocks(x, ropes, lambda f, h: f(h), dense, attend)
         return self._head(x, list(range(B)), 0)
-
-    @torch.inference_mode()
-    def decode_static(self, ids: torch.Tensor, pos: torch.Tensor, caches: list) -> torch.Tensor:
-        """decode_batch's step with every shape fixed by the caches alone, as a CUDA graph
-        needs (procs/inference/graphs.py): ids and pos are device tensors [B]; K/V rows are
-        written at pos[b] by index, and each sequence attends to its cache's whole capacity
-        under a mask of the rows it can see. Rows past a sequence's length must hold finite
-        values (0 x NaN would poison the sum): graphs.py zeroes them before capture. The
-        caller fills the rotary tables up to max(pos) first. Returns float32 logits [B, V]."""
-        c = self.cfg
-        H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
-        x = self.embed_rows(ids)                                               # [B, dim]
-        if c.embed_scale:
-            x = x * c.embed_scale
-        ropes = [(cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)) for cos, sin in self.rope]
-        masks = {}     # (window, sequence) -> float32 [capacity]
-
-        def mask(b: int, window: int, cap: int) -> torch.Tensor:
-            if (window, b) not in masks:
-                masks[window, b] = _mask(pos[b:b + 1].unsqueeze(1), torch.arange(cap, device=self.device),
-                                         window, torch.float32).view(cap)
-            return masks[window, b]
-
-        def attend(li: int, ly: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = []
-            for b, (kc, vc) in enumerate(caches):
-                kc[li].index_copy_(1, pos[b:b + 1], k[b].unsqueeze(1))
-                vc[li].index_copy_(1, pos[b:b + 1], v[b].view(KV, 1, D))
-                # the grouped-heads product of the CPU path, masked: SDPA with a mask and
-                # grouped heads falls back to its math path, which copies K/V per query head
-                out.append(_decode_attention(q[b], kc[li], vc[li], self.scale, mask(b, ly.window, kc.shape[2])))
-            return torch.cat(out)                                              # [B, H*D]
-        x = self._blocks(x, ropes, lambda f, h: f(h), dense, attend)
-        return self._head(x, None, 0)
 
     def _blocks(self, x: torch.Tensor, ropes, lin, mm, attend) -> torch.Tensor:
         """Every layer on the rows x [T, dim]: lin(Linear, h) and mm(h, w) are the linears
@@ -417,31 +384,3 @@ class Llama:
         if x.shape[0] == 1 and x.device.type == "cpu":   # matrix-vector is ~1.8x faster here
             return torch.mv(self.lm_head, x[0]).float().unsqueeze(0)
         return F.linear(x, self.lm_head).float()                              # [len(rows), V]
-
-
-def _mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int, dtype) -> torch.Tensor:
-    """Additive mask [queries, keys]: query at absolute position p sees key j iff j <= p and,
-    in a windowed layer, p - j < window (transformers' and llama.cpp's sliding window)."""
-    kpos = kpos.unsqueeze(0)
-    hidden = kpos > qpos
-    if window:
-        hidden |= kpos <= qpos - window
-    return torch.zeros(hidden.shape, dtype=dtype, device=qpos.device).masked_fill_(hidden, float("-inf"))
-
-
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One query row against S keys (the CPU's decode; decode_static's on any device):
-    q [H, D], k and v [KV, S, D] -> [1, H*D];
-    mask: float32 [S] added to the scores (decode_static's: -inf where a row is not to be seen).
-    The H/KV query heads that share a K/V head go as one small GEMM per K/V head. SDPA's CPU
-    path for a single bf16 row is 4-15x slower (2 threads, avx512_bf16: 14.9 against 1.0 ms
-    per layer at 23k keys; f32 alike), and at an agent's context attention is most of a
-    decode step. Softmax in f32, as SDPA does."""
-    H, D = q.shape
-    KV = k.shape[0]
-    s = torch.bmm(q.view(KV, H // KV, D), k.transpose(1, 2)).float() * scale  # [KV, G, S]
-    if mask is not None:
-        s = s + mask
-    p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.bmm(p, v).view(1, H * D)

@@ -92,17 +92,17 @@ def test_torch_path_batches_within_rounding_and_exactly_when_exact(model_path):
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])     # gemma: windowed layers
 def test_static_step_equals_the_batched_step(name):
-    """Llama.decode_static (what a CUDA graph captures: positions as a tensor, attention over
+    """graphs.static_step (what a CUDA graph captures: positions as a tensor, attention over
     each cache's whole capacity under a mask) gives decode_batch's logits, sequences past
     Gemma's 512-token window included, once the rows past each length are cleared; with NaN
     left there, the masked rows poison the sum (why graphs.py clears them)."""
     from common.config import Settings
     from common.models import resolve
-    from procs.inference.graphs import clear_past
+    from procs.inference.graphs import clear_past, static_step
     from procs.inference.loader import load
     m = Llama(load(resolve(name, Settings().models_path()), torch.float32, "cpu"), 2048, packed=False)  # torch, f32
     ps = [[1 + (i * 7 + j * 13) % 3000 for j in range(n)] for i, n in enumerate((300, 530, 610))]
-    ref, got = sessions_of(m, ps), sessions_of(m, ps)
+    ref, got = sessions(m, ps), sessions(m, ps)
     for step in range(3):
         toks = [int(s.logits.argmax()) for s in ref]
         want = torch.stack(decode_many(ref, toks))
@@ -114,10 +114,10 @@ def test_static_step_equals_the_batched_step(name):
         if step == 0:
             for kc, vc in caches:
                 kc[:, :, len(kc[0, 0]) - 1:].fill_(float("nan"))
-            poisoned = m.decode_static(torch.tensor(toks), torch.tensor(pos), caches)
+            poisoned = static_step(m, torch.tensor(toks), torch.tensor(pos), caches)
             assert poisoned.isnan().all(dim=1).all()
         clear_past(caches, pos)
-        out = m.decode_static(torch.tensor(toks), torch.tensor(pos), caches)
+        out = static_step(m, torch.tensor(toks), torch.tensor(pos), caches)
         for s, t, row in zip(got, toks, out):
             s.tokens.append(t)
             s.logits = row
@@ -126,14 +126,6 @@ def test_static_step_equals_the_batched_step(name):
         for a, b in zip(ref, got):                       # the same rows written, where they belong
             assert torch.allclose(a.k[:, :, :len(a)], b.k[:, :, :len(b)], atol=1e-3)
 
-
-def sessions_of(model: Llama, ps) -> list[KVSession]:
-    out = []
-    for p in ps:
-        s = KVSession(model, 2048, 512)
-        s.prefill(p)
-        out.append(s)
-    return out
 
 
 def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
@@ -147,17 +139,17 @@ def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
     assert m.graphs is None                                   # none on the CPU
     ps = prompts(3)
     toks = [5, 6, 7]
-    want = decode_many(sessions_of(m, ps), toks)
+    want = decode_many(sessions(m, ps), toks)
     m.graphs = GraphDecoder(m)
 
     def oom(host, caches):
         raise torch.OutOfMemoryError("no memory for the capture")
     monkeypatch.setattr(m.graphs, "capture", oom)
-    got = decode_many(sessions_of(m, ps), toks)
+    got = decode_many(sessions(m, ps), toks)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and m.graphs is not None
 
     def unsupported(host, caches):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(m.graphs, "capture", unsupported)
-    got = decode_many(sessions_of(m, ps), toks)
+    got = decode_many(sessions(m, ps), toks)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and m.graphs is None

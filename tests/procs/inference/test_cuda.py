@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.config import Settings
-from procs.inference.graphs import clear_past
+from procs.inference.graphs import clear_past, static_step
 from procs.inference.kvsession import KVSession, decode_many
 from procs.inference.runtime import build
 from procs.inference.sessions import RAM_SHARE, budget_bytes
@@ -100,7 +100,7 @@ def test_graphs_agree_with_eager_ops(gpu, eager, vectors):
 
 def test_a_replay_is_the_step_it_captured(gpu, vectors):
     """A graph replayed step after step gives, bit for bit, the logits of the same step run
-    eagerly (decode_static, which it captured); one capture serves a batch until a session
+    eagerly (graphs.static_step, which it captured); one capture serves a batch until a session
     outgrows its capacity, which captures anew."""
     graphs = gpu.graphs
     a, b = _sessions(gpu, vectors, 3, cap=1024), _sessions(gpu, vectors, 3, cap=1024)
@@ -114,7 +114,7 @@ def test_a_replay_is_the_step_it_captured(gpu, vectors):
         caches = [(s.k, s.v) for s in b]
         clear_past(caches, pos)
         gpu.ensure_rope(max(pos) + 1)
-        want = gpu.decode_static(torch.tensor(toks, device="cuda"), torch.tensor(pos, device="cuda"), caches)
+        want = static_step(gpu, torch.tensor(toks, device="cuda"), torch.tensor(pos, device="cuda"), caches)
         for s, t, row in zip(b, toks, want):
             s.tokens.append(t)
             s.logits = row
