@@ -45,6 +45,8 @@ for graphs in (True, False):
         print(f"graphs={graphs} ctx~{ctx}: 1 sequence {a:.2f} ms/step ({1000 / a:.0f} tok/s), "
               f"4 sequences {b:.2f} ms/step ({4000 / b:.0f} tok/s, {a * 4 / b:.2f}x)", flush=True)
     if graphs:
-        print("captures:", model.graphs.captures if model.graphs else "graphs turned off")
+        g = model.graphs
+        print(f"captures {g.captures}, sessions copied into slots {g.copies}, pool {g.nbytes / 2**20:.0f} MiB"
+              if g else "graphs turned off")
     del model
     torch.cuda.empty_cache()

@@ -39,8 +39,8 @@ class Settings:
     decode_kernels: str = opt("native", "decode on the CPU: a whole step in C kernels built once with this machine's "
                               "gcc (cached under ~/.cache/ricordo/kernels; torch's ops when they cannot be built), "
                               "or torch's ops", ("generate", "inference"), ("native", "torch"))
-    cuda_graphs: bool = opt(True, "decode steps on CUDA replay a captured graph per batch of sessions (one launch "
-                            "instead of hundreds); off: torch's ops launched one by one", ("generate", "inference"))
+    cuda_graphs: bool = opt(True, "decode steps on CUDA replay a graph captured per batch size over a pool of K/V "
+                            "slots (one launch instead of hundreds); off: torch's ops launched one by one", ("generate", "inference"))
     prefill_attention: str = opt("auto", "prefill's attention on the CPU: the native kernel (f32 FMA tiles; bf16 pairs "
                                  "where the CPU has avx512_bf16), torch's SDPA, or auto: native unless bf16 GEMMs run "
                                  "on AMX", ("generate", "inference"), ("auto", "native", "sdpa"))

@@ -79,15 +79,14 @@ class KVSession:
         held = min(len(self.tokens), self.k.shape[2])
         for name in ("k", "v"):
             old = getattr(self, name)
-            # empty, not zeros, on the CPU: rows past the length are never read there (a
-            # windowed layer's rows below its floor neither), so their pages stay untouched
-            # and cost no memory until written. Zeroed where some path reads them, masked,
-            # since garbage there could be NaN or inf (0 x NaN): exact mode's attention reads
-            # whole padded chunks, and a CUDA graph's step (graphs.py) the whole capacity,
-            # the rows below a restored windowed layer's floor included
+            # empty, not zeros: rows past the length are never read (a windowed layer's rows
+            # below its floor neither), so on the CPU their pages stay untouched and cost no
+            # memory until written. Zeroed in exact mode, whose attention reads whole padded
+            # chunks, masked: garbage there could be NaN or inf (0 x NaN). (A CUDA graph's
+            # step reads its own pool, whose rows graphs.py keeps finite.)
             new = torch.empty(old.shape[:2] + (cap, old.shape[3]), dtype=old.dtype, device=old.device)
             new[:, :, :held] = old[:, :, :held]
-            if self.exact or new.device.type != "cpu":
+            if self.exact:
                 new[:, :, held:].zero_()
             setattr(self, name, new)
 
@@ -288,18 +287,24 @@ class Sharing:
 
 def decode_many(sessions: list[KVSession], tokens: list[int], sharing: Sharing | None = None) -> list[torch.Tensor]:
     """Append tokens[b] to sessions[b] (distinct sessions of one model) in one batched decode
-    step (Llama.decode_batch); returns and keeps each session's new logits. sharing: read the
-    rows sessions hold alike once (the native decoder; a bit-identical result either way)."""
+    step (Llama.decode_batch, or on CUDA a replayed graph of graphs.static_step); returns and
+    keeps each session's new logits, on the host. sharing: read the rows sessions hold alike
+    once (the native decoder; a bit-identical result either way)."""
     for s in sessions:
         if len(s) + 1 > s.n_ctx:
             raise ValueError(f"{len(s) + 1} tokens exceed the context of {s.n_ctx}")
         s.reserve(len(s) + 1)
     model = sessions[0].model
-    share = sharing.plan(sessions) if sharing is not None and model.decoder is not None and len(sessions) > 1 \
-        else None
-    logits = model.decode_batch(tokens, [len(s) for s in sessions], [(s.k, s.v) for s in sessions],
-                                exact=sessions[0].exact, share=share)
-    rows = list(logits)
+    logits = None
+    if model.graphs is not None and not sessions[0].exact:
+        logits = model.graphs(sessions, tokens)       # None: this step eager
+    if logits is None:
+        share = sharing.plan(sessions) if sharing is not None and model.decoder is not None and len(sessions) > 1 \
+            else None
+        logits = model.decode_batch(tokens, [len(s) for s in sessions], [(s.k, s.v) for s in sessions],
+                                    exact=sessions[0].exact, share=share)
+    # each token is sampled on the host: one copy for the batch, not one per row
+    rows = list(logits.cpu())
     for s, t, row in zip(sessions, tokens, rows):
         s.tokens.append(t)
         s.logits = row

@@ -292,13 +292,9 @@ class Llama:
         torch's batched GEMMs may round differently from its one-row ones, so exact (the
         --deterministic promise that an answer does not depend on what else runs) decodes
         each sequence alone there. share: Decoder.batch's (rows shared between sequences,
-        read once by the native decoder; the other paths ignore it). On CUDA the step is a
-        replayed graph of graphs.static_step, except in exact mode."""
+        read once by the native decoder; the other paths ignore it). On CUDA,
+        kvsession.decode_many replays graphs.GraphDecoder's graphs instead, where it can."""
         B = len(ids)
-        if self.graphs is not None and not exact:
-            out = self.graphs(ids, pos, caches)
-            if out is not None:
-                return out
         if B == 1 or (exact and self.decoder is None):
             return torch.cat([self.forward(torch.tensor([t], device=self.device), p, kc, vc, [0])
                               for t, p, (kc, vc) in zip(ids, pos, caches)])

@@ -91,41 +91,74 @@ def test_torch_path_batches_within_rounding_and_exactly_when_exact(model_path):
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])     # gemma: windowed layers
-def test_static_step_equals_the_batched_step(name):
-    """graphs.static_step (what a CUDA graph captures: positions as a tensor, attention over
-    each cache's whole capacity under a mask) gives decode_batch's logits, sequences past
-    Gemma's 512-token window included, once the rows past each length are cleared; with NaN
-    left there, the masked rows poison the sum (why graphs.py clears them)."""
+def test_the_pooled_step_equals_the_batched_step(name):
+    """graphs.GraphDecoder's step (what a CUDA graph captures: the batch in slots of one K/V
+    pool, positions as a tensor, one masked attention over the attended capacity), run
+    eagerly here, gives decode_batch's logits and writes the same rows into the sessions, past
+    Gemma's 512-token window and for a session restored from a windowed checkpoint (its rows
+    below the layers' floors hold NaN here, as garbage may). A session is copied into a slot
+    only when the slot does not hold it as it is now: not on every step, not when the batch
+    shrinks or reorders, again after it changed outside the pool."""
     from common.config import Settings
     from common.models import resolve
-    from procs.inference.graphs import clear_past, static_step
+    from procs.inference.graphs import GraphDecoder
     from procs.inference.loader import load
     m = Llama(load(resolve(name, Settings().models_path()), torch.float32, "cpu"), 2048, packed=False)  # torch, f32
-    ps = [[1 + (i * 7 + j * 13) % 3000 for j in range(n)] for i, n in enumerate((300, 530, 610))]
+    ps = [[1 + (i * 7 + j * 13) % 3000 for j in range(n)] for i, n in enumerate((300, 530, 710))]
     ref, got = sessions(m, ps), sessions(m, ps)
-    for step in range(3):
-        toks = [int(s.logits.argmax()) for s in ref]
-        want = torch.stack(decode_many(ref, toks))
-        for s in got:
-            s.reserve(len(s) + 1)
-        pos = [len(s) for s in got]
-        caches = [(s.k, s.v) for s in got]
-        m.ensure_rope(max(pos) + 1)
-        if step == 0:
-            for kc, vc in caches:
-                kc[:, :, len(kc[0, 0]) - 1:].fill_(float("nan"))
-            poisoned = static_step(m, torch.tensor(toks), torch.tensor(pos), caches)
-            assert poisoned.isnan().all(dim=1).all()
-        clear_past(caches, pos)
-        out = static_step(m, torch.tensor(toks), torch.tensor(pos), caches)
-        for s, t, row in zip(got, toks, out):
-            s.tokens.append(t)
-            s.logits = row
+    toks, k, v = got[2].export()
+    got[2] = KVSession(m, 1024, 64)
+    got[2].import_(toks, ref[2].logits, k, v)
+    for li, f in enumerate(got[2].floors):
+        got[2].k[li, :, :f] = float("nan")
+        got[2].v[li, :, :f] = float("nan")
+    assert (got[2].window_floor > 0) == (name == "gemma3-270m")
+    gd = GraphDecoder(m, capture=False)
+
+    def step(idx):
+        toks = [int(ref[i].logits.argmax()) for i in idx]
+        m.graphs = None
+        want = torch.stack(decode_many([ref[i] for i in idx], toks))
+        m.graphs = gd
+        out = torch.stack(decode_many([got[i] for i in idx], toks))
+        m.graphs = None
         assert out.shape == want.shape and torch.equal(out.argmax(dim=1), want.argmax(dim=1))
         assert (out - want).abs().max().item() <= 1e-3 * want.abs().max().item()
-        for a, b in zip(ref, got):                       # the same rows written, where they belong
-            assert torch.allclose(a.k[:, :, :len(a)], b.k[:, :, :len(b)], atol=1e-3)
+        for i in idx:                                    # the same rows written, where they belong
+            a, b = ref[i], got[i]
+            assert a.tokens == b.tokens
+            lo = b.window_floor
+            assert torch.allclose(a.k[:, :, lo:len(a)], b.k[:, :, lo:len(b)], atol=1e-3)
+    for _ in range(3):
+        step([0, 1, 2])
+    assert gd.copies == 3
+    step([1, 0])                                         # shrunk and reordered: slots held
+    assert gd.copies == 3
+    step([0, 2])                                         # 2's slot is past the batch: copied
+    assert gd.copies == 4
+    step([0, 1, 2])                                      # 1 went on without: copied again
+    assert gd.copies == 5
+    for s in (ref[0], got[0]):                           # a turn prefilled outside the pool
+        s.prefill([11, 12, 13])
+    step([1, 0, 2])
+    assert gd.copies == 6
 
+
+def test_the_pool_rows_must_be_finite(model_path):
+    """Why graphs.py keeps every slot row finite: the step reads the attended capacity under a
+    mask, and a NaN in a masked row poisons every sum it enters."""
+    from procs.inference.graphs import GraphDecoder, static_step
+    from procs.inference.loader import load
+    m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    s = sessions(m, prompts(1))[0]
+    gd = GraphDecoder(m, capture=False)
+    gd._room(1, 512)
+    gd._place([s])
+    pos = torch.tensor([len(s)])
+    ok = static_step(m, torch.tensor([5]), pos, gd.pool_k, gd.pool_v, 512)
+    assert torch.isfinite(ok).all()
+    gd.pool_k[:, 0, :, len(s) + 1:] = float("nan")
+    assert static_step(m, torch.tensor([5]), pos, gd.pool_k, gd.pool_v, 512).isnan().all()
 
 
 def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
@@ -142,13 +175,13 @@ def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
     want = decode_many(sessions(m, ps), toks)
     m.graphs = GraphDecoder(m)
 
-    def oom(host, caches):
+    def oom(host, cap):
         raise torch.OutOfMemoryError("no memory for the capture")
     monkeypatch.setattr(m.graphs, "capture", oom)
     got = decode_many(sessions(m, ps), toks)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and m.graphs is not None
 
-    def unsupported(host, caches):
+    def unsupported(host, cap):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(m.graphs, "capture", unsupported)
     got = decode_many(sessions(m, ps), toks)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from common.config import Settings
-from procs.inference.graphs import clear_past, static_step
+from common.models import ModelError, resolve
+from procs.inference.graphs import GraphDecoder
 from procs.inference.kvsession import KVSession, decode_many
 from procs.inference.runtime import build
 from procs.inference.sessions import RAM_SHARE, budget_bytes
@@ -75,7 +76,7 @@ def test_batched_decode_matches_one_at_a_time(which, request, vectors):
     model = request.getfixturevalue(which)
     alone, batched = _sessions(model, vectors), _sessions(model, vectors)
     nexts = [int(torch.argmax(s.logits)) for s in alone]
-    want = [s.decode(t) for s, t in zip(alone, nexts)]
+    want = [s.decode(t).cpu() for s, t in zip(alone, nexts)]
     got = decode_many(batched, nexts)
     for w, g, s, t in zip(want, got, batched, nexts):
         assert g.shape == w.shape and s.tokens[-1] == t
@@ -100,40 +101,48 @@ def test_graphs_agree_with_eager_ops(gpu, eager, vectors):
 
 def test_a_replay_is_the_step_it_captured(gpu, vectors):
     """A graph replayed step after step gives, bit for bit, the logits of the same step run
-    eagerly (graphs.static_step, which it captured); one capture serves a batch until a session
-    outgrows its capacity, which captures anew."""
-    graphs = gpu.graphs
-    a, b = _sessions(gpu, vectors, 3, cap=1024), _sessions(gpu, vectors, 3, cap=1024)
-    start = graphs.captures
-    for step in range(6):
-        toks = [int(torch.argmax(s.logits)) for s in a]
-        got = decode_many(a, toks)
-        for s in b:
-            s.reserve(len(s) + 1)
-        pos = [len(s) for s in b]
-        caches = [(s.k, s.v) for s in b]
-        clear_past(caches, pos)
-        gpu.ensure_rope(max(pos) + 1)
-        want = static_step(gpu, torch.tensor(toks, device="cuda"), torch.tensor(pos, device="cuda"), caches)
-        for s, t, row in zip(b, toks, want):
-            s.tokens.append(t)
-            s.logits = row
-        assert all(torch.equal(g, w) for g, w in zip(got, want)), \
-            (step, max((g - w).abs().max().item() for g, w in zip(got, want)))
-    assert graphs.captures == start + 1
-    caps = [s.k.shape[2] for s in a]
-    while [s.k.shape[2] for s in a] == caps:    # until one session outgrows its capacity
-        assert graphs.captures == start + 1
-        decode_many(a, [int(torch.argmax(s.logits)) for s in a])
-    assert graphs.captures == start + 2
+    eagerly on the same pool (GraphDecoder(capture=False): graphs.static_step, which it
+    captured). One capture serves every batch of its size and attended capacity: other
+    sessions, the batch reordered; a new size or a doubled capacity captures anew."""
+    kept = gpu.graphs
+    graphs = gpu.graphs = GraphDecoder(gpu)
+    eager = GraphDecoder(gpu, capture=False)
+    try:
+        a, b = _sessions(gpu, vectors, 3, cap=1024), _sessions(gpu, vectors, 3, cap=1024)
+
+        def both(idx):
+            toks = [int(torch.argmax(a[i].logits)) for i in idx]
+            gpu.graphs = graphs
+            got = decode_many([a[i] for i in idx], toks)
+            gpu.graphs = eager
+            want = decode_many([b[i] for i in idx], toks)
+            gpu.graphs = graphs
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), \
+                max((g - w).abs().max().item() for g, w in zip(got, want))
+        for _ in range(4):
+            both([0, 1, 2])
+        both([2, 1, 0])
+        assert graphs.captures == 1 and set(graphs.graphs) == {(3, 512)}
+        both([1, 2])
+        assert graphs.captures == 2
+        while len(a[0]) < 600:                     # past the first capacity bucket
+            both([0])
+        # a larger pool: the graphs on the old one dropped
+        assert graphs.captures == 4 and set(graphs.graphs) == {(1, 1024)} and graphs.pool_k.shape[3] == 1024
+    finally:
+        gpu.graphs = kept
 
 
 def test_a_restored_windowed_session_reads_zeros_below_its_floors():
     """Gemma 3 (512-token window): a checkpoint of 700 tokens holds only the last 512 rows of
-    its windowed layers. Restored into GPU memory that held NaN, the session's graph step reads
-    the rows below those layers' floors (masked), which reserve() zeroed: finite logits, those
-    of the session it was exported from."""
-    gem, _, _ = build(Settings(model="gemma3-270m", device="auto", dtype="auto", ctx_size=2048))
+    its windowed layers. Restored into GPU memory that held NaN, the session's rows below
+    those layers' floors are garbage; the graph step reads its pool's copy of them (masked),
+    which GraphDecoder zeroed: finite logits, those of the session it was exported from."""
+    try:
+        path = resolve("gemma3-270m", Settings().models_path())
+    except ModelError as e:
+        pytest.skip(str(e))
+    gem, _, _ = build(Settings(model=path, device="auto", dtype="auto", ctx_size=2048))
     assert gem.graphs is not None
     src = KVSession(gem, 2048, 512)
     src.prefill([1 + (j * 13) % 3000 for j in range(700)])
@@ -145,7 +154,7 @@ def test_a_restored_windowed_session_reads_zeros_below_its_floors():
     assert dst.window_floor > 0
     t = int(torch.argmax(src.logits))
     got = decode_many([dst], [t])[0]
-    want = src.decode(t)                                          # torch's eager ops
+    want = src.decode(t).cpu()                                    # torch's eager ops
     assert torch.isfinite(got).all()
     assert int(torch.argmax(got)) == int(torch.argmax(want)) and (got - want).abs().max().item() <= 2.0
 
