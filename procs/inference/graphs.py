@@ -146,11 +146,13 @@ class GraphDecoder:
         out = self._step(host, cap)
         if out is None:
             return None
-        for i, b in enumerate(order):      # the written rows back into the sessions' own tensors
+        dst, src = [], []                  # the written rows back into the sessions' own tensors
+        for i, b in enumerate(order):
             s, p = sessions[b], pos[b]
-            s.k[:, :, p] = self.pool_k[:, i, :, p]
-            s.v[:, :, p] = self.pool_v[:, i, :, p]
+            dst += [s.k[:, :, p], s.v[:, :, p]]
+            src += [self.pool_k[:, i, :, p], self.pool_v[:, i, :, p]]
             self.held[i] = _Held(s, p + 1)
+        torch._foreach_copy_(dst, src)
         if order == list(range(B)):
             return out
         back = [0] * B

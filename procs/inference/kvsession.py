@@ -288,7 +288,7 @@ class Sharing:
 def decode_many(sessions: list[KVSession], tokens: list[int], sharing: Sharing | None = None) -> list[torch.Tensor]:
     """Append tokens[b] to sessions[b] (distinct sessions of one model) in one batched decode
     step (Llama.decode_batch, or on CUDA a replayed graph of graphs.static_step); returns and
-    keeps each session's new logits, on the host. sharing: read the rows sessions hold alike
+    keeps each session's new logits. sharing: read the rows sessions hold alike
     once (the native decoder; a bit-identical result either way)."""
     for s in sessions:
         if len(s) + 1 > s.n_ctx:
@@ -303,8 +303,7 @@ def decode_many(sessions: list[KVSession], tokens: list[int], sharing: Sharing |
             else None
         logits = model.decode_batch(tokens, [len(s) for s in sessions], [(s.k, s.v) for s in sessions],
                                     exact=sessions[0].exact, share=share)
-    # each token is sampled on the host: one copy for the batch, not one per row
-    rows = list(logits.cpu())
+    rows = list(logits)
     for s, t, row in zip(sessions, tokens, rows):
         s.tokens.append(t)
         s.logits = row

@@ -21,7 +21,7 @@ from common import metrics
 from common.policy import continued_frontiers
 from procs.inference.kvsession import KVSession, decode_many
 from procs.inference.plan import prompt_saves
-from procs.inference.sampling import Sampler
+from procs.inference.sampling import Sampler, sample_many
 
 
 @dataclass(eq=False)
@@ -114,9 +114,10 @@ class Runs:
         """Sample one token for each decoding run and send it; the runs that go on advance in
         one batched step. Returns the runs of that step (a failure there is theirs)."""
         going, tokens = [], []
-        for run in runs:
+        picks = sample_many([r.sampler for r in runs], [r.logits for r in runs],
+                            [r.guide.mask(r.logits) if r.guide else None for r in runs])
+        for run, (tok, lp, top) in zip(runs, picks):
             job = run.job
-            tok, lp, top = run.sampler(run.logits, run.guide.mask(run.logits) if run.guide else None)
             if run.guide:
                 run.guide.advance(tok)
             run.n += 1

@@ -57,3 +57,38 @@ class Sampler:
             # a greedy token is always the first alternative
             top = sorted(zip(i.tolist(), v.tolist()), key=lambda t: (-t[1], t[0]))
         return tok, float(lp[tok]), top
+
+
+def sample_many(samplers: list[Sampler], rows: list[torch.Tensor], masks: list,
+                together: bool | None = None) -> list[tuple]:
+    """Sampler(row, mask) for each row. On a GPU, the greedy rows with nothing else asked (no
+    grammar mask, no alternatives) are picked together where the logits are, and only their
+    tokens and log-probabilities come to the host, in one copy: a row of logits each, and
+    the host's small ops on them, cost more than the step itself there. The same argmax
+    (first of equal values, as on the host) and log-softmax, in f32. together: whether such
+    rows go together (None: where the rows are not on the CPU)."""
+    out: list = [None] * len(rows)
+    fast = [i for i, (s, m) in enumerate(zip(samplers, masks))
+            if m is None and s.p.temperature <= 0 and s.p.top_logprobs == 0
+            and (rows[i].device.type != "cpu" if together is None else together)]
+    for vocab in {samplers[i].p.vocab for i in fast}:
+        group = [i for i in fast if samplers[i].p.vocab == vocab]
+        x = torch.stack([rows[i] for i in group]).float()                    # [G, V]
+        if 0 < vocab < x.shape[1]:
+            x = x[:, :vocab]
+        lp = torch.log_softmax(x, dim=-1)
+        pick = x
+        for j, i in enumerate(group):
+            p = samplers[i].p
+            if p.ignore_eos and p.stop_ids:
+                if pick is x:
+                    pick = x.clone()
+                pick[j, list(p.stop_ids)] = float("-inf")
+        tok = pick.argmax(dim=-1)
+        got = torch.stack([tok.double(), lp.gather(1, tok.unsqueeze(1)).squeeze(1).double()]).cpu()
+        for j, i in enumerate(group):
+            out[i] = (int(got[0, j]), float(got[1, j]), [])
+    for i, s in enumerate(samplers):
+        if out[i] is None:
+            out[i] = s(rows[i], masks[i])
+    return out

@@ -76,7 +76,7 @@ def test_batched_decode_matches_one_at_a_time(which, request, vectors):
     model = request.getfixturevalue(which)
     alone, batched = _sessions(model, vectors), _sessions(model, vectors)
     nexts = [int(torch.argmax(s.logits)) for s in alone]
-    want = [s.decode(t).cpu() for s, t in zip(alone, nexts)]
+    want = [s.decode(t) for s, t in zip(alone, nexts)]
     got = decode_many(batched, nexts)
     for w, g, s, t in zip(want, got, batched, nexts):
         assert g.shape == w.shape and s.tokens[-1] == t
@@ -154,7 +154,7 @@ def test_a_restored_windowed_session_reads_zeros_below_its_floors():
     assert dst.window_floor > 0
     t = int(torch.argmax(src.logits))
     got = decode_many([dst], [t])[0]
-    want = src.decode(t).cpu()                                    # torch's eager ops
+    want = src.decode(t)                                          # torch's eager ops
     assert torch.isfinite(got).all()
     assert int(torch.argmax(got)) == int(torch.argmax(want)) and (got - want).abs().max().item() <= 2.0
 

@@ -1,0 +1,45 @@
+"""sampling.sample_many: the greedy rows picked together (on a GPU, where the logits are) give
+what each row's own Sampler gives; the other rows still go through their Sampler."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.messages import SamplingParams
+from procs.inference.sampling import Sampler, sample_many
+
+
+def _rows(n: int, V: int = 300) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(V, generator=g) * 4 for _ in range(n)]
+    rows[1][17] = rows[1][250] = rows[1].max() + 1       # a tie: the first id wins, as argmax
+    rows[2][9] = 100.0                                    # a stop id that would win
+    rows[3][290] = 100.0                                  # a padding id that would win
+    return rows
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(),
+            SamplingParams(),
+            SamplingParams(stop_ids=(9,), ignore_eos=True),
+            SamplingParams(vocab=280),
+            SamplingParams(temperature=0.7, seed=3),       # these three: their own Sampler
+            SamplingParams(top_logprobs=3),
+            SamplingParams()]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_greedy_rows_together_match_each_rows_sampler(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    rows = _rows(7)
+    masks = [None] * 6 + [torch.full((300,), float("-inf")).index_fill_(0, torch.tensor([42]), 0.0)]
+    want = [Sampler(p)(r, m) for p, r, m in zip(_params(), rows, masks)]
+    got = sample_many([Sampler(p) for p in _params()], [r.to(device) for r in rows], masks,
+                      together=True if device == "cpu" else None)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert want[1][0] == 17 and want[2][0] != 9 and want[3][0] < 280 and want[6][0] == 42   # the cases bite
+    for g, w in zip(got, want):
+        assert g[1] == pytest.approx(w[1], abs=1e-5)
+        assert [t for t, _ in g[2]] == [t for t, _ in w[2]]
+    assert len(got[5][2]) == 3
