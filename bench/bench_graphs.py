@@ -1,6 +1,8 @@
-"""Decode steps on CUDA: replayed graphs (--cuda-graphs, the default) against torch's ops
-launched one by one (--no-cuda-graphs), in one process and one run, one sequence and four
-(kvsession.decode_many) at two contexts; medians of 40 steps after two warm-up steps.
+"""Decode steps and prefills on CUDA: replayed graphs (--cuda-graphs, the default) against
+torch's ops launched one by one (--no-cuda-graphs), in one process and one run: decode of one
+sequence and four (kvsession.decode_many) at two contexts, medians of 40 steps after two
+warm-up steps; a turn's 16, 128 and 512 new tokens prefilled onto a 4,000-token session,
+medians of 12.
 
     python bench/bench_graphs.py            (a CUDA machine; the default model)
 
@@ -44,6 +46,12 @@ for graphs in (True, False):
         b = ms(lambda: decode_many(four, [42] * 4))
         print(f"graphs={graphs} ctx~{ctx}: 1 sequence {a:.2f} ms/step ({1000 / a:.0f} tok/s), "
               f"4 sequences {b:.2f} ms/step ({4000 / b:.0f} tok/s, {a * 4 / b:.2f}x)", flush=True)
+    base = KVSession(model, 8192, 512); base.prefill((ids * 80)[:4000])
+    for n in (16, 128, 512):                   # a turn's new tokens onto a 4,000-token session
+        def turn():
+            base.prefill((ids * 6)[:n]); base.logits.cpu(); base.truncate(4000)
+        a = ms(turn, 12)
+        print(f"graphs={graphs} prefill {n} tokens at 4000: {a:.2f} ms ({n * 1000 / a:.0f} tok/s)", flush=True)
     if graphs:
         g = model.graphs
         print(f"captures {g.captures}, sessions copied into slots {g.copies}, pool {g.nbytes / 2**20:.0f} MiB"

@@ -151,11 +151,15 @@ class KVSession:
         want = {n for n in logits_at if start < n <= end} | {end}
         out, lo = {}, start
         dev = self.model.device
+        graphs = None if self.exact else self.model.graphs
         for hi in self.boundaries(start, end, split_at):
-            chunk_ids = torch.tensor(ids[lo - start:hi - start], dtype=torch.long, device=dev)
             need = sorted(n for n in want if lo < n <= hi)
-            logits = self.model.forward(chunk_ids, lo, self.k, self.v, [n - lo - 1 for n in need],
-                                        pad_to=self.chunk if self.exact and not _decode else 0)
+            rows = [n - lo - 1 for n in need]
+            logits = graphs.prefill(self, ids[lo - start:hi - start], rows) if graphs is not None else None
+            if logits is None:       # torch's ops, or the native kernels
+                chunk_ids = torch.tensor(ids[lo - start:hi - start], dtype=torch.long, device=dev)
+                logits = self.model.forward(chunk_ids, lo, self.k, self.v, rows,
+                                            pad_to=self.chunk if self.exact and not _decode else 0)
             for n, row in zip(need, logits):
                 out[n] = row
             self.tokens.extend(ids[lo - start:hi - start])
@@ -166,9 +170,8 @@ class KVSession:
         return {n: v for n, v in out.items() if n in logits_at}
 
     def decode(self, token: int) -> torch.Tensor:
-        """One token; on CUDA, torch's ops launched one by one: a one-off step (an
-        answer's last token) costs less that way than a graph's warm-up and capture, two
-        such steps. A loop of steps goes through decode_many (the CUDA graphs)."""
+        """One token, as a prefill of one (on CUDA, the shortest prefill graph). A loop of
+        steps goes through decode_many."""
         self.prefill([token], _decode=True)
         return self.logits
 

@@ -131,34 +131,68 @@ def test_the_pooled_step_equals_the_batched_step(name):
             assert torch.allclose(a.k[:, :, lo:len(a)], b.k[:, :, lo:len(b)], atol=1e-3)
     for _ in range(3):
         step([0, 1, 2])
-    assert gd.copies == 3
+    dec = gd.pools["decode"]
+    assert dec.copies == 3
     step([1, 0])                                         # shrunk and reordered: slots held
-    assert gd.copies == 3
+    assert dec.copies == 3
     step([0, 2])                                         # 2's slot is past the batch: copied
-    assert gd.copies == 4
+    assert dec.copies == 4
     step([0, 1, 2])                                      # 1 went on without: copied again
-    assert gd.copies == 5
+    assert dec.copies == 5
     for s in (ref[0], got[0]):                           # a turn prefilled outside the pool
         s.prefill([11, 12, 13])
     step([1, 0, 2])
-    assert gd.copies == 6
+    assert dec.copies == 6
 
 
 def test_the_pool_rows_must_be_finite(model_path):
     """Why graphs.py keeps every slot row finite: the step reads the attended capacity under a
     mask, and a NaN in a masked row poisons every sum it enters."""
-    from procs.inference.graphs import GraphDecoder, static_step
+    from procs.inference.graphs import Pool, static_step
     from procs.inference.loader import load
     m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
     s = sessions(m, prompts(1))[0]
+    pool = Pool("decode")
+    pool.grow(m, 1, 512)
+    pool.place([s])
+    pos = torch.tensor([[len(s)]])
+    assert torch.isfinite(static_step(m, torch.tensor([5]), pos, pool.k, pool.v, 512)).all()
+    pool.k[:, 0, :, len(s) + 1:] = float("nan")
+    assert static_step(m, torch.tensor([5]), pos, pool.k, pool.v, 512).isnan().all()
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_the_pooled_prefill_equals_the_forward(name):
+    """graphs.GraphDecoder.prefill (a chunk padded to a bucket in the prefill pool's slot, one
+    masked attention over the attended capacity), run eagerly here: the logits asked for and
+    the rows written equal Llama.forward's within rounding, a prompt in several chunks, a
+    single token, a turn that starts mid-chunk, Gemma past its window; the padding's rows
+    never reach the session; the slot is copied into only when it does not hold the session."""
+    from common.config import Settings
+    from common.models import resolve
+    from procs.inference.graphs import GraphDecoder
+    from procs.inference.loader import load
+    m = Llama(load(resolve(name, Settings().models_path()), torch.float32, "cpu"), 2048, packed=False)
     gd = GraphDecoder(m, capture=False)
-    gd._room(1, 512)
-    gd._place([s])
-    pos = torch.tensor([len(s)])
-    ok = static_step(m, torch.tensor([5]), pos, gd.pool_k, gd.pool_v, 512)
-    assert torch.isfinite(ok).all()
-    gd.pool_k[:, 0, :, len(s) + 1:] = float("nan")
-    assert static_step(m, torch.tensor([5]), pos, gd.pool_k, gd.pool_v, 512).isnan().all()
+    ids = [1 + (j * 13) % 3000 for j in range(700)]
+    ref, got = KVSession(m, 2048, 256), KVSession(m, 2048, 256)
+    for part, at in ((ids[:600], (100, 256, 600)), (ids[600:601], ()), (ids[601:700], (650,))):
+        m.graphs = None
+        want = ref.prefill(part, logits_at=at)
+        m.graphs = gd
+        out = got.prefill(part, logits_at=at)
+        m.graphs = None
+        assert sorted(out) == sorted(want) and got.tokens == ref.tokens
+        for n in list(want) + [None]:
+            a, b = (want[n], out[n]) if n else (ref.logits, got.logits)
+            assert int(a.argmax()) == int(b.argmax()) and (a - b).abs().max().item() <= 1e-3 * a.abs().max().item()
+        assert torch.allclose(ref.k[:, :, :len(ref)], got.k[:, :, :len(got)], atol=1e-3)
+        assert torch.allclose(ref.v[:, :, :len(ref)], got.v[:, :, :len(got)], atol=1e-3)
+    pool = gd.pools["prefill"]
+    # copied in at the first chunk and once more when the pool grew past 512 rows; every
+    # other chunk found its rows held
+    assert pool.copies == 2 and pool.k.shape[3] == 1024
+    assert pool.k[:, 0, :, len(got):len(got) + 5].abs().amax() > 0   # the last chunk's padding, in the pool only
 
 
 def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
@@ -175,13 +209,13 @@ def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
     want = decode_many(sessions(m, ps), toks)
     m.graphs = GraphDecoder(m)
 
-    def oom(host, cap):
+    def oom(*args):
         raise torch.OutOfMemoryError("no memory for the capture")
     monkeypatch.setattr(m.graphs, "capture", oom)
     got = decode_many(sessions(m, ps), toks)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and m.graphs is not None
 
-    def unsupported(host, cap):
+    def unsupported(*args):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(m.graphs, "capture", unsupported)
     got = decode_many(sessions(m, ps), toks)

@@ -100,15 +100,24 @@ def test_graphs_agree_with_eager_ops(gpu, eager, vectors):
 
 
 def test_a_replay_is_the_step_it_captured(gpu, vectors):
-    """A graph replayed step after step gives, bit for bit, the logits of the same step run
-    eagerly on the same pool (GraphDecoder(capture=False): graphs.static_step, which it
-    captured). One capture serves every batch of its size and attended capacity: other
-    sessions, the batch reordered; a new size or a doubled capacity captures anew."""
+    """A graph replayed gives, bit for bit, what the same step run eagerly on the same pool
+    gives (GraphDecoder(capture=False): graphs.static_step, which it captured): prefill chunks
+    (padded to their bucket) and decode steps. One capture serves every step of its shape:
+    other sessions, the batch reordered; a new size or a doubled capacity captures anew."""
     kept = gpu.graphs
-    graphs = gpu.graphs = GraphDecoder(gpu)
+    graphs = GraphDecoder(gpu)
     eager = GraphDecoder(gpu, capture=False)
     try:
-        a, b = _sessions(gpu, vectors, 3, cap=1024), _sessions(gpu, vectors, 3, cap=1024)
+        gpu.graphs = graphs
+        a = _sessions(gpu, vectors, 3, cap=1024)
+        gpu.graphs = eager
+        b = _sessions(gpu, vectors, 3, cap=1024)
+        assert all(torch.equal(x.logits, y.logits) and torch.equal(x.k, y.k) for x, y in zip(a, b))
+        assert any(k[0] == "prefill" for k in graphs.graphs)
+        start = graphs.captures
+
+        def decodes():
+            return {k[1:] for k in graphs.graphs if k[0] == "decode"}
 
         def both(idx):
             toks = [int(torch.argmax(a[i].logits)) for i in idx]
@@ -122,15 +131,30 @@ def test_a_replay_is_the_step_it_captured(gpu, vectors):
         for _ in range(4):
             both([0, 1, 2])
         both([2, 1, 0])
-        assert graphs.captures == 1 and set(graphs.graphs) == {(3, 512)}
+        assert graphs.captures == start + 1 and decodes() == {(3, 512)}
         both([1, 2])
-        assert graphs.captures == 2
+        assert graphs.captures == start + 2
         while len(a[0]) < 600:                     # past the first capacity bucket
             both([0])
         # a larger pool: the graphs on the old one dropped
-        assert graphs.captures == 4 and set(graphs.graphs) == {(1, 1024)} and graphs.pool_k.shape[3] == 1024
+        assert decodes() == {(1, 1024)} and graphs.pools["decode"].k.shape[3] == 1024
     finally:
         gpu.graphs = kept
+
+
+def test_prefill_graphs_match_eager_ops(gpu, eager, vectors):
+    """A prompt prefilled through the prefill graphs (chunks padded to buckets, one of a
+    single token) gives torch's eager ops' logits and rows within bf16 rounding."""
+    ids = vectors["cases"][0]["token_ids"] + [1 + (j * 13) % 3000 for j in range(700)]
+    ids = ids[:700]
+    a, b = KVSession(gpu, 2048, 256), KVSession(eager, 2048, 256)
+    for part in (ids[:600], ids[600:601], ids[601:]):
+        la, lb = a.prefill(part, logits_at=(len(a) + 1,)), b.prefill(part, logits_at=(len(b) + 1,))
+        for x, y in [(a.logits, b.logits)] + [(la[n], lb[n]) for n in lb]:
+            assert (x - y).abs().max().item() <= 2.0 and int(torch.argmax(x)) == int(torch.argmax(y))
+    ka, kb = a.k[:, :, :700].float(), b.k[:, :, :700].float()
+    assert (ka - kb).abs().max().item() <= 0.05 * kb.abs().max().item()
+    assert any(k[0] == "prefill" for k in gpu.graphs.graphs)
 
 
 def test_a_restored_windowed_session_reads_zeros_below_its_floors():
