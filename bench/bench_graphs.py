@@ -2,7 +2,8 @@
 torch's ops launched one by one (--no-cuda-graphs), in one process and one run: decode of one
 sequence and four (kvsession.decode_many) at two contexts, medians of 40 steps after two
 warm-up steps; a turn's 16, 128 and 512 new tokens prefilled onto a 4,000-token session,
-medians of 12.
+and four such turns' 128 tokens in one shared step (kvsession.prefill_many) against one by
+one, medians of 12.
 
     python bench/bench_graphs.py            (a CUDA machine; the default model)
 
@@ -18,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_model import cpu_name  # noqa: E402
 from common.config import Settings  # noqa: E402
-from procs.inference.kvsession import KVSession, decode_many  # noqa: E402
+from procs.inference.kvsession import KVSession, decode_many, prefill_many  # noqa: E402
 from procs.inference.runtime import build  # noqa: E402
 from tests.conftest import default_model_path  # noqa: E402
 
@@ -52,7 +53,22 @@ for graphs in (True, False):
             base.prefill((ids * 6)[:n]); base.logits.cpu(); base.truncate(4000)
         a = ms(turn, 12)
         print(f"graphs={graphs} prefill {n} tokens at 4000: {a:.2f} ms ({n * 1000 / a:.0f} tok/s)", flush=True)
-    if graphs:
+    if graphs:                                 # four turns' 128 new tokens: one shared step, or one by one
+        turns = [KVSession(model, 8192, 512) for _ in range(4)]
+        for i, t in enumerate(turns):
+            t.prefill([i + 7] + (ids * 80)[:4095])      # a chunk's start: 128 more stay in it
+
+        def together():
+            prefill_many(turns, [(ids * 2)[:128]] * 4, [()] * 4); turns[0].logits.cpu()
+            for t in turns:
+                t.truncate(4096)
+
+        def apart():
+            for t in turns:
+                t.prefill((ids * 2)[:128]); t.logits.cpu(); t.truncate(4096)
+        a, b = ms(together, 12), ms(apart, 12)
+        print(f"4 prompts' 128 tokens at 4096: one shared step {a:.2f} ms, one by one {b:.2f} ms ({b / a:.2f}x)",
+              flush=True)
         g = model.graphs
         print(f"captures {g.captures}, sessions copied into slots {g.copies}, pool {g.nbytes / 2**20:.0f} MiB"
               if g else "graphs turned off")

@@ -228,29 +228,51 @@ class GraphDecoder:
             back[b] = i
         return out[back]
 
-    @torch.inference_mode()
     def prefill(self, sess, ids: list[int], rows: list[int]) -> torch.Tensor | None:
-        """float32 logits [len(rows), V] at rows (indices into ids) of ids appended to sess
-        (with room for them), its K/V rows written into the session; the caller appends the
-        tokens. None where the chunk runs eagerly: too long for a graph's scores, padding past
-        the context, or out of memory."""
-        m, T, lo = self.model, len(ids), len(sess)
-        Tb = bucket(T, sess.chunk, MIN_ROWS)
-        cap = bucket(lo + Tb, m.max_context)
-        if lo + Tb > m.max_context or m.cfg.n_heads * Tb * cap * 4 > SCORES_MAX:
+        """prefill_many of one session."""
+        out = self.prefill_many([sess], [ids], [rows])
+        return None if out is None else out[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, sessions: list, chunks: list[list[int]], rows: list[list[int]]) -> list | None:
+        """Each chunks[b] appended to sessions[b] (distinct, each with room) in one step, all
+        padded to one bucket, each in its slot of the prefill pool; their K/V rows written into
+        the sessions (the caller appends the tokens). Returns per session the float32 logits
+        [len(rows[b]), V] at rows[b] (indices into chunks[b]); None where the step runs
+        eagerly: too long for a graph's scores, padding past the context, out of memory."""
+        m, B = self.model, len(sessions)
+        los = [len(s) for s in sessions]
+        Tb = bucket(max(len(c) for c in chunks), max(s.chunk for s in sessions), MIN_ROWS)
+        cap = bucket(max(los) + Tb, m.max_context)
+        if max(los) + Tb > m.max_context or B * m.cfg.n_heads * Tb * cap * 4 > SCORES_MAX:
             return None
-        pool = self._pool("prefill", 1, cap)
+        pool = self._pool("prefill", B, cap)
         if pool is None:
             return None
-        pool.place([sess])
-        host = torch.tensor([ids + [0] * (Tb - T), list(range(lo, lo + Tb))], dtype=torch.long)
-        x = self._run(("prefill", Tb, cap), host, (1, Tb), cap, pool, head=False)
+        slot = pool.place(sessions)
+        order = sorted(range(B), key=lambda b: slot[b])          # slot i holds sessions[order[i]]
+        ids, pos = [], []
+        for b in order:
+            ids += chunks[b] + [0] * (Tb - len(chunks[b]))
+            pos += range(los[b], los[b] + Tb)
+        x = self._run(("prefill", B, Tb, cap), torch.tensor([ids, pos], dtype=torch.long), (B, Tb), cap, pool,
+                      head=False)
         if x is None:
             return None
-        sess.k[:, :, lo:lo + T] = pool.k[:, 0, :, lo:lo + T]
-        sess.v[:, :, lo:lo + T] = pool.v[:, 0, :, lo:lo + T]
-        pool.held[0] = _Held(sess, lo + T)
-        return m._head(x, rows, 0)
+        dst, src, at = [], [], []
+        for i, b in enumerate(order):
+            s, lo, T = sessions[b], los[b], len(chunks[b])
+            dst += [s.k[:, :, lo:lo + T], s.v[:, :, lo:lo + T]]
+            src += [pool.k[:, i, :, lo:lo + T], pool.v[:, i, :, lo:lo + T]]
+            pool.held[i] = _Held(s, lo + T)
+            at.append([i * Tb + r for r in rows[b]])
+        torch._foreach_copy_(dst, src)
+        logits = m._head(x, [r for a in at for r in a], 0)
+        out, k = [None] * B, 0
+        for b in order:                    # the rows came in slot order
+            out[b] = logits[k:k + len(rows[b])]
+            k += len(rows[b])
+        return out
 
     def _pool(self, kind: str, S: int, cap: int) -> Pool | None:
         pool = self.pools[kind]

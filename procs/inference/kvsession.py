@@ -311,3 +311,35 @@ def decode_many(sessions: list[KVSession], tokens: list[int], sharing: Sharing |
         s.tokens.append(t)
         s.logits = row
     return rows
+
+
+def prefill_many(sessions: list[KVSession], chunks: list[list[int]], logits_at: list) -> list[dict] | None:
+    """Append chunks[b] to sessions[b] (distinct sessions of one model, each chunk within one
+    of its session's chunk boundaries) in one step of the model's graphs (graphs.py: on CUDA,
+    where a step launches hundreds of kernels for a few rows, several prompts' chunks cost
+    about one's). Returns each session's {n: logits after its first n tokens} for n in
+    logits_at[b] within its chunk, and keeps each session's last logits; None, with nothing
+    changed, where there are no graphs or the step would not be a graph's (the caller
+    prefills them one by one)."""
+    model = sessions[0].model
+    if model.graphs is None or any(s.exact for s in sessions):
+        return None
+    rows, wants = [], []
+    for s, ids, at in zip(sessions, chunks, logits_at):
+        lo, hi = len(s), len(s) + len(ids)
+        if not ids or hi > s.n_ctx or s.boundaries(lo, hi) != [hi]:
+            raise ValueError(f"a chunk of {len(ids)} tokens at {lo} is not within one chunk of its session")
+        want = sorted({n for n in at if lo < n <= hi} | {hi})
+        rows.append([n - lo - 1 for n in want])
+        wants.append(want)
+    for s, ids in zip(sessions, chunks):
+        s.reserve(len(s) + len(ids))
+    got = model.graphs.prefill_many(sessions, chunks, rows)
+    if got is None:
+        return None
+    out = []
+    for s, ids, at, want, logits in zip(sessions, chunks, logits_at, wants, got):
+        s.tokens.extend(ids)
+        s.logits = logits[-1]
+        out.append({n: row for n, row in zip(want, logits) if n in at})
+    return out

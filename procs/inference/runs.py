@@ -6,7 +6,9 @@ send, start, make_room, log.
 
 Order: the loop (Worker.run) gives one prefill chunk to the prefilling run served longest
 ago, then one decode step to every decoding run, so a long prompt delays the others' streams
-by one chunk at a time, and prompts take turns chunk by chunk.
+by one chunk at a time, and prompts take turns chunk by chunk. Where the model replays graphs
+(CUDA), every prefilling run gets its next chunk in one shared step instead, when the
+chunks fit one (prefill_together).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from common import kvfile
 from common import messages as m
 from common import metrics
 from common.policy import continued_frontiers
-from procs.inference.kvsession import KVSession, decode_many
+from procs.inference.kvsession import KVSession, decode_many, prefill_many
 from procs.inference.plan import prompt_saves
 from procs.inference.sampling import Sampler, sample_many
 
@@ -66,11 +68,37 @@ class Runs:
         return run
 
     def prefill_chunk(self, run: Run, tick: int) -> None:
-        sess, job = run.sess, run.job
+        sess = run.sess
         run.served = tick
-        start, end = len(sess), len(run.ids)
-        hi = sess.boundaries(start, end)[0]
-        run.got.update(sess.prefill(run.ids[start:hi], logits_at=run.want))
+        start = len(sess)
+        run.got.update(sess.prefill(run.ids[start:sess.boundaries(start, len(run.ids))[0]], logits_at=run.want))
+        self.chunk_done(run)
+
+    def prefill_together(self, runs: list[Run], tick: int) -> None:
+        """One chunk of each run's prompt in one step of the model's graphs (kvsession.prefill_many:
+        on CUDA several short chunks cost about one); where that step cannot be a graph's,
+        the first run's chunk alone. A failure of the shared step is each run's."""
+        chunks = [r.ids[len(r.sess):r.sess.boundaries(len(r.sess), len(r.ids))[0]] for r in runs]
+        try:
+            got = prefill_many([r.sess for r in runs], chunks, [r.want for r in runs])
+        except Exception as e:
+            for r in runs:
+                if r.rid in self.active:
+                    self.fail(r, e)
+            return
+        if got is None:
+            self.guarded(self.prefill_chunk, runs[0], tick)
+            return
+        for run, g in zip(runs, got):
+            run.served = tick
+            run.got.update(g)
+            self.guarded(self.chunk_done, run)
+
+    def chunk_done(self, run: Run) -> None:
+        """After a chunk of run's prompt: progress to the renderer, a log line on long
+        prompts, and the first token's turn once the prompt is in."""
+        job, end = run.job, len(run.ids)
+        hi = len(run.sess)
         done, total = hi - run.r, end - run.r
         self.send(m.Progress(rid=job.rid, done=done, total=total))
         now = time.perf_counter()

@@ -174,10 +174,14 @@ class Worker(Placement, Runs):
         for run in [r for r in self.active.values() if r.rid in self.cancelled]:
             self.guarded(self.end, run, "cancelled")
         prefilling = [r for r in self.active.values() if r.logits is None]
-        if prefilling:      # one chunk, to the prompt served longest ago
+        if prefilling:      # one chunk, to the prompt served longest ago (graphs: to each)
             tick += 1
             t0 = time.perf_counter()
-            self.guarded(self.prefill_chunk, min(prefilling, key=lambda r: r.served), tick)
+            prefilling.sort(key=lambda r: r.served)
+            if len(prefilling) > 1 and self.model.graphs is not None:
+                self.prefill_together(prefilling, tick)
+            else:
+                self.guarded(self.prefill_chunk, prefilling[0], tick)
             metrics.M.busy.labels("prefill").inc(time.perf_counter() - t0)
         decoding = [r for r in self.active.values() if r.logits is not None and r.rid not in self.cancelled]
         if decoding:

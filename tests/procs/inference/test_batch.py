@@ -195,6 +195,43 @@ def test_the_pooled_prefill_equals_the_forward(name):
     assert pool.k[:, 0, :, len(got):len(got) + 5].abs().amax() > 0   # the last chunk's padding, in the pool only
 
 
+def test_chunks_of_several_prompts_in_one_pooled_prefill(model_path):
+    """kvsession.prefill_many (several sessions' next chunks in one step of the prefill pool,
+    padded to one bucket), run eagerly here: each session's logits and rows are those of its
+    own prefill within rounding, whatever the order of their slots; a chunk that crosses a
+    chunk boundary is refused; without graphs it does nothing (None)."""
+    from procs.inference.graphs import GraphDecoder
+    from procs.inference.kvsession import prefill_many
+    from procs.inference.loader import load
+    m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    ps = [[1 + (i * 7 + j * 13) % 3000 for j in range(n)] for i, n in enumerate((100, 300, 40))]
+    ref = [KVSession(m, 2048, 256) for _ in ps]
+    got = [KVSession(m, 2048, 256) for _ in ps]
+    assert prefill_many(got, [p[:10] for p in ps], [(), (), ()]) is None and all(len(s) == 0 for s in got)
+    m.graphs = GraphDecoder(m, capture=False)
+    for rnd in range(3):
+        idx = [2, 0, 1] if rnd == 1 else [0, 1, 2]         # the slots reordered in the second round
+        chunks, ats = [], []
+        for i in idx:
+            lo = len(got[i])
+            hi = min(len(ps[i]), got[i].boundaries(lo, len(ps[i]))[0]) if lo < len(ps[i]) else lo
+            chunks.append(ps[i][lo:hi] or [5])
+            ats.append({lo + 1, lo + len(chunks[-1])})
+        out = prefill_many([got[i] for i in idx], chunks, ats)
+        m.graphs, keep = None, m.graphs
+        for i, ch, at, o in zip(idx, chunks, ats, out):
+            want = ref[i].prefill(ch, logits_at=at)
+            assert sorted(o) == sorted(want) and got[i].tokens == ref[i].tokens
+            for n in want:
+                assert int(o[n].argmax()) == int(want[n].argmax())
+                assert (o[n] - want[n]).abs().max().item() <= 1e-3 * want[n].abs().max().item()
+            assert torch.allclose(got[i].k[:, :, :len(got[i])], ref[i].k[:, :, :len(ref[i])], atol=1e-3)
+            assert torch.equal(got[i].logits, o[max(o)])
+        m.graphs = keep
+    with pytest.raises(ValueError):
+        prefill_many([got[0]], [list(range(1, 300))], [()])
+
+
 def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
     """graphs.GraphDecoder's failures, with its capture replaced by one that fails (CUDA graphs
     need a GPU; the bookkeeping does not): out of memory, the step runs on torch's eager ops

@@ -112,7 +112,8 @@ def test_a_replay_is_the_step_it_captured(gpu, vectors):
         a = _sessions(gpu, vectors, 3, cap=1024)
         gpu.graphs = eager
         b = _sessions(gpu, vectors, 3, cap=1024)
-        assert all(torch.equal(x.logits, y.logits) and torch.equal(x.k, y.k) for x, y in zip(a, b))
+        assert all(torch.equal(x.logits, y.logits) and torch.equal(x.k[:, :, :len(x)], y.k[:, :, :len(y)])
+                   for x, y in zip(a, b))
         assert any(k[0] == "prefill" for k in graphs.graphs)
         start = graphs.captures
 

@@ -1,0 +1,95 @@
+"""runs.Runs.prefill_together, the inference loop's shared prefill step where the model replays
+graphs (CUDA): every prefilling run advances by its next chunk in one step, reports its
+progress, and starts decoding once its prompt is in; a failure of the shared step fails each
+of its runs and nothing else. Here on the CPU with the graphs' steps run eagerly
+(GraphDecoder(capture=False)); the loop around them is the server's own code."""
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+
+from common import messages as m
+from procs.inference.graphs import GraphDecoder
+from procs.inference.kvsession import KVSession
+from procs.inference.loader import load
+from procs.inference.model import Llama
+from procs.inference.runs import Run, Runs
+from procs.inference.server import Worker
+
+
+class Loop(Runs):
+    """The state of Worker that Runs' prefill path uses, without its sockets."""
+    guarded = Worker.guarded
+
+    def __init__(self):
+        self.active, self.sent, self.n_ctx = {}, [], 2048
+        self.cancelled, self.keep = set(), {}
+        self.log = logging.getLogger("inference")
+        self.guides = types.SimpleNamespace(start=lambda c: None)
+        self.disk = types.SimpleNamespace(enabled=False)
+        self.sessions = types.SimpleNamespace(drop=lambda sid: None, by_id={})
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    m_ = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    m_.graphs = GraphDecoder(m_, capture=False)
+    return m_
+
+
+def _run(loop: Loop, model, rid: str, ids: list[int]) -> Run:
+    job = m.Job(rid=rid, ids=tuple(ids), reuse=0, sampling=m.SamplingParams(max_tokens=4))
+    run = loop.active[rid] = Run(job=job, t0=0.0, sess=KVSession(model, 2048, 256), ids=ids)
+    return run
+
+
+def test_prompts_advance_together_and_start_decoding(model):
+    loop = Loop()
+    a = _run(loop, model, "a", [1 + (j * 7) % 3000 for j in range(300)])
+    b = _run(loop, model, "b", [1 + (j * 11) % 3000 for j in range(100)])
+    loop.prefill_together([a, b], 1)
+    assert (len(a.sess), len(b.sess)) == (256, 100) and a.served == b.served == 1
+    assert a.logits is None and b.logits is not None                  # b's prompt is in
+    assert [(p.rid, p.done, p.total) for p in loop.sent] == [("a", 256, 300), ("b", 100, 100)]
+    loop.prefill_together([a], 2)
+    assert len(a.sess) == 300 and a.logits is not None
+    for run in (a, b):                                                # each as its own prefill gives
+        m_graphs, model.graphs = model.graphs, None
+        alone = KVSession(model, 2048, 256)
+        alone.prefill(list(run.ids))
+        model.graphs = m_graphs
+        assert int(alone.logits.argmax()) == int(run.logits.argmax())
+        assert (alone.logits - run.logits).abs().max().item() <= 1e-3 * alone.logits.abs().max().item()
+
+
+def test_a_failed_shared_step_fails_its_runs_only(model, monkeypatch):
+    loop = Loop()
+    a = _run(loop, model, "a", list(range(1, 60)))
+    b = _run(loop, model, "b", list(range(1, 80)))
+    c = _run(loop, model, "c", list(range(1, 90)))
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(model.graphs, "prefill_many", broken)
+    loop.prefill_together([a, b], 1)
+    assert set(loop.active) == {"c"} and len(c.sess) == 0
+    errors = [e for e in loop.sent if isinstance(e, m.JobError)]
+    assert sorted(e.rid for e in errors) == ["a", "b"] and "device lost" in errors[0].message
+
+
+def test_chunks_too_large_for_one_graph_go_one_at_a_time(model, monkeypatch):
+    """Where the shared step's scores would pass graphs.SCORES_MAX, the run served longest
+    ago gets its chunk alone, as without graphs."""
+    import procs.inference.graphs as graphs
+    monkeypatch.setattr(graphs, "SCORES_MAX", 1)
+    loop = Loop()
+    a = _run(loop, model, "a", list(range(1, 60)))
+    b = _run(loop, model, "b", list(range(1, 80)))
+    loop.prefill_together([a, b], 1)
+    assert (len(a.sess), len(b.sess)) == (59, 0) and a.logits is not None
