@@ -38,9 +38,11 @@ stress: model
 # on a CUDA machine (the CUDA build of torch installed first: README, GPU): the CUDA tests, then
 # graphs against eager ops in process and over HTTP (bench/RESULTS-cuda.md)
 cuda-check: model
-	$(BIN)/python -m pytest -q -rs tests/procs/inference/test_cuda.py tests/e2e/test_batch.py tests/e2e/test_sessions.py
+	$(BIN)/python -m pytest -q -rs tests/procs/inference/test_cuda.py tests/procs/inference/test_sampling.py \
+		tests/procs/inference/test_runs.py tests/e2e/test_batch.py tests/e2e/test_sessions.py
 	$(BIN)/python bench/bench_graphs.py
 	$(BIN)/python bench/bench_parallel.py
+	$(BIN)/python bench/bench_parallel.py --tool-ms 300
 	RICORDO_CUDA_GRAPHS=0 $(BIN)/python bench/bench_parallel.py
 
 # Codex CLI and Claude Code in agents/node_modules (npm, not global); tests/e2e/test_real_agents.py runs them
