@@ -37,6 +37,7 @@ from procs.renderer.answer import Answers, Pending
 from procs.renderer.dispatch import Dispatch
 from procs.renderer.readiness import Readiness
 from common import guidance
+from procs.renderer.encoding import PromptEncoder
 from procs.renderer import grammar, toolfmt, tools
 from procs.renderer.prompt import PromptError, render, tool_choice
 
@@ -80,6 +81,7 @@ class Renderer(Readiness, Answers, Dispatch):
         self.index = DiskIndex(s, self.trace)
         self.grammars = grammar.Checker(guidance.tokenizer(self.text))
         self.call_format = toolfmt.detect(self.text.chat_template)   # the model family's call syntax
+        self.prompts = PromptEncoder(self.text)
         self.enc = m.encoder()
         self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.EventsIn)
         self.queue: collections.deque[Pending] = collections.deque()
@@ -191,7 +193,7 @@ class Renderer(Readiness, Answers, Dispatch):
                 for how in ("memory", "disk", "json"):
                     if getattr(stats, how):
                         metrics.M.tool_calls.labels(how).inc(getattr(stats, how))
-            full = self.text.encode(prompt)
+            full = self.prompts.encode(prompt)
             if req.count_only:
                 self.to_web(route, m.Finished(rid=req.rid, finish_reason="count",
                                               usage=m.Usage(prompt_tokens=len(full), completion_tokens=0,
