@@ -138,6 +138,18 @@ class Pool:
         self.k = self.v = None
         self.held = []
 
+    def copy_back(self, sessions: list, order: list[int], spans: list[tuple[int, int]]) -> None:
+        """The rows a step wrote, spans[b] = (lo, hi) of sessions[b] (in slot order[i] = b), back
+        into the sessions' own tensors in one foreach copy; each slot then holds its session
+        as of hi tokens (the caller appends them)."""
+        dst, src = [], []
+        for i, b in enumerate(order):
+            s, (lo, hi) = sessions[b], spans[b]
+            dst += [s.k[:, :, lo:hi], s.v[:, :, lo:hi]]
+            src += [self.k[:, i, :, lo:hi], self.v[:, i, :, lo:hi]]
+            self.held[i] = _Held(s, hi)
+        torch._foreach_copy_(dst, src)
+
     def place(self, sessions: list) -> list[int]:
         """A slot in 0..B-1 for each session: the one that holds it already where there is
         one, else a free one, its rows copied in (and the rows past them zeroed)."""
@@ -214,13 +226,7 @@ class GraphDecoder:
         out = self._run(("decode", B, cap), host, (B, 1), cap, pool, head=True)
         if out is None:
             return None
-        dst, src = [], []                  # the written rows back into the sessions' own tensors
-        for i, b in enumerate(order):
-            s, p = sessions[b], pos[b]
-            dst += [s.k[:, :, p], s.v[:, :, p]]
-            src += [pool.k[:, i, :, p], pool.v[:, i, :, p]]
-            pool.held[i] = _Held(s, p + 1)
-        torch._foreach_copy_(dst, src)
+        pool.copy_back(sessions, order, [(p, p + 1) for p in pos])
         if order == list(range(B)):
             return out
         back = [0] * B
@@ -259,15 +265,8 @@ class GraphDecoder:
                       head=False)
         if x is None:
             return None
-        dst, src, at = [], [], []
-        for i, b in enumerate(order):
-            s, lo, T = sessions[b], los[b], len(chunks[b])
-            dst += [s.k[:, :, lo:lo + T], s.v[:, :, lo:lo + T]]
-            src += [pool.k[:, i, :, lo:lo + T], pool.v[:, i, :, lo:lo + T]]
-            pool.held[i] = _Held(s, lo + T)
-            at.append([i * Tb + r for r in rows[b]])
-        torch._foreach_copy_(dst, src)
-        logits = m._head(x, [r for a in at for r in a], 0)
+        pool.copy_back(sessions, order, [(lo, lo + len(c)) for lo, c in zip(los, chunks)])
+        logits = m._head(x, [i * Tb + r for i, b in enumerate(order) for r in rows[b]], 0)
         out, k = [None] * B, 0
         for b in order:                    # the rows came in slot order
             out[b] = logits[k:k + len(rows[b])]

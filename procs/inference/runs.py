@@ -67,18 +67,22 @@ class Runs:
             self.prefilled(run)
         return run
 
+    @staticmethod
+    def next_chunk(run: Run) -> list[int]:
+        """The prompt's tokens up to the session's next chunk boundary."""
+        start = len(run.sess)
+        return run.ids[start:run.sess.boundaries(start, len(run.ids))[0]]
+
     def prefill_chunk(self, run: Run, tick: int) -> None:
-        sess = run.sess
         run.served = tick
-        start = len(sess)
-        run.got.update(sess.prefill(run.ids[start:sess.boundaries(start, len(run.ids))[0]], logits_at=run.want))
+        run.got.update(run.sess.prefill(self.next_chunk(run), logits_at=run.want))
         self.chunk_done(run)
 
     def prefill_together(self, runs: list[Run], tick: int) -> None:
         """One chunk of each run's prompt in one step of the model's graphs (kvsession.prefill_many:
         on CUDA several short chunks cost about one); where that step cannot be a graph's,
         the first run's chunk alone. A failure of the shared step is each run's."""
-        chunks = [r.ids[len(r.sess):r.sess.boundaries(len(r.sess), len(r.ids))[0]] for r in runs]
+        chunks = [self.next_chunk(r) for r in runs]
         try:
             got = prefill_many([r.sess for r in runs], chunks, [r.want for r in runs])
         except Exception as e:
