@@ -55,6 +55,15 @@ from common.config import Settings  # noqa: E402
 from tests.e2e.server import Server  # noqa: E402
 
 HIT = re.compile(r"KV cache: hit for sha1=")
+FIRST = re.compile(r"renderer first token \S+: (.*) ms$", re.M)
+STAGES = ("web", "render", "queue", "wait", "prefill", "sample", "back", "total")
+
+
+def stages(text: str) -> dict:
+    """The p50 of each stage of the time to first token, in ms, over the trace's `first
+    token` lines (the renderer's; procs/renderer/answer.py)."""
+    rows = [dict(zip(line.split()[::2], map(float, line.split()[1::2]))) for line in FIRST.findall(text)]
+    return {k: statistics.median(r[k] for r in rows) for k in STAGES if rows and all(k in r for r in rows)}
 
 
 def decode_seconds(srv: Server) -> float:
@@ -129,6 +138,7 @@ def phase(srv: Server, trace: Path, seeds: list[int], args) -> dict:
     busy = decode_seconds(srv)
     wall = together(lambda c: c["users"][1:])
     busy = decode_seconds(srv) - busy
+    traced = trace.read_text()[mark:]
     later = [t for c in convs for t in c["turns"][1:]]
     assert all(t["tokens"] == args.answer_tokens for t in later), [t["tokens"] for t in later]
     return {"conversations": len(seeds), "wall_s": wall, "answer_tokens": sum(t["tokens"] for t in later),
@@ -137,7 +147,7 @@ def phase(srv: Server, trace: Path, seeds: list[int], args) -> dict:
             "ttft_p50_s": statistics.median(t["ttft_s"] for t in later),
             "stream_tok_s_p50": statistics.median((t["tokens"] - 1) / max(t["total_s"] - t["ttft_s"], 1e-9)
                                                   for t in later),
-            "disk_restores": len(HIT.findall(trace.read_text()[mark:])),
+            "disk_restores": len(HIT.findall(traced)), "stages_p50_ms": stages(traced),
             "cached_share_min": min(t["cached"] / t["prompt"] for t in later),
             "first_prompt_tokens": statistics.median(c["turns"][0]["prompt"] for c in convs)}
 
@@ -212,7 +222,12 @@ def main(argv=None) -> int:
                     ["", f"inference peak RSS {res['peak_rss_mib']:.0f} MiB; after load and one short answer "
                          f"{res['rss_after_load_mib']:.0f} "
                          f"MiB + K/V budget {args.kv_ram_mb} MiB = "
-                         f"{res['rss_after_load_mib'] + args.kv_ram_mb:.0f} MiB"])
+                         f"{res['rss_after_load_mib'] + args.kv_ram_mb:.0f} MiB", "",
+                     "p50 of each stage of the later turns' time to first token, in the server (ms; the "
+                     "renderer's trace):", "",
+                     "| | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)] +
+                    [f"| {label} | " + " | ".join(f"{ph['stages_p50_ms'].get(k, float('nan')):.1f}" for k in STAGES) + " |"
+                     for label, ph in (("1 conversation", alone), (f"{n} at once", many))])
     return emit(txt, res, args.json)
 
 

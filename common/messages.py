@@ -134,6 +134,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     count_only: bool = False            # render and tokenize only: Finished("count") with prompt_tokens
     session_hint: str = ""              # which conversation this is, as the client says (Responses'
                                         # prompt_cache_key, `user`, Anthropic metadata.user_id)
+    received: float = 0.0               # time.monotonic() when the web received it (0: unknown);
+                                        # the clock is the host's, shared by every process
 
 
 class CancelRequest(msgspec.Struct, tag="cancel", frozen=True):
@@ -288,6 +290,8 @@ class Token(msgspec.Struct, tag="token", frozen=True):
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     finish: str = ""                    # set on the last token: stop | length
+    stamps: tuple[float, ...] = ()      # the first token only: time.monotonic() when inference
+                                        # began the job, had its prompt in, and sent this token
 
 
 class JobDone(msgspec.Struct, tag="job_done", frozen=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400)
 
@@ -41,6 +42,11 @@ class Metrics:
                                ["outcome", "reason"])
         self.ttft = Histogram("ricordo_time_to_first_token_seconds", "from admission to the first token",
                               buckets=LATENCY_BUCKETS)
+        self.first_token_stage = Histogram(
+            "ricordo_first_token_stage_seconds", "where the time to the first token went: web (HTTP body to the "
+            "renderer), render (template, tokens), queue (waiting for a slot), wait (sent to inference until it "
+            "began), prefill (restore and prefill), sample (until the first token was sent), back (to the renderer)",
+            ["stage"], buckets=STAGE_BUCKETS)
         self.tool_calls = Counter("ricordo_tool_calls_rendered", "assistant tool calls by how they were rendered",
                                   ["how"])
         # inference

@@ -14,6 +14,7 @@ and `shaper` (events -> SSE). The flow's invariants, the same for all of them:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 import falcon
@@ -114,9 +115,11 @@ class Endpoint:
         raise NotImplementedError
 
     async def on_post(self, req, resp) -> None:
+        received = time.monotonic()
         body = await read_json(req, self.settings.max_body_bytes)
         check_model(body, self.model_id, self.settings.strict_model_names)
         job = self.parse(body, new_rid())
+        job.req = msgspec.structs.replace(job.req, received=received)
         pump = Pump(self.backend.submit(job.req), req.scope.get(RECEIVE_KEY))
         handed_over = False
         try:

@@ -4,11 +4,17 @@ one read of each weight for all of them). A mixin of Worker (procs/inference/ser
 whose state it uses: s, active, sessions, frontiers, disk, guides, keep, cancelled, n_ctx,
 send, start, make_room, log.
 
-Order: the loop (Worker.run) gives one prefill chunk to the prefilling run served longest
-ago, then one decode step to every decoding run, so a long prompt delays the others' streams
-by one chunk at a time, and prompts take turns chunk by chunk. Where the model replays graphs
-(CUDA), every prefilling run gets its next chunk in one shared step instead, when the
-chunks fit one (prefill_together).
+Order: the loop (Worker.run) gives one prefill chunk to a prefilling run, then one decode
+step to every decoding run, so a long prompt delays the others' streams by one chunk at a
+time. The prefilling run served is the one whose prompt would be in first had each been
+served alone from its arrival (fair queuing's virtual finish: the loop's clock counts the
+prompt tokens it has prefilled, and a run's mark is that clock at its begin plus its tokens
+to prefill): prompts that arrive together go one after the other in arrival order, not
+chunk by chunk in turn (which would put every one of them in at the burst's end); a short
+prompt passes a long one begun earlier only when it would be done first; and the order is
+fixed at arrival, so no prompt waits for ever. Where the model replays graphs (CUDA), every
+prefilling run gets its next chunk in one shared step instead, when the chunks fit one
+(prefill_together).
 """
 from __future__ import annotations
 
@@ -39,8 +45,11 @@ class Run:
     want: set = field(default_factory=set)           # positions whose logits the saves need
     got: dict = field(default_factory=dict)          # position -> logits there
     served: int = 0                                  # the loop's tick when it last got a chunk
+    mark: int = 0                                    # its place in the prefill order (see above)
     last_log: float = 0.0
     t1: float | None = None                          # prefill done
+    begun: float = 0.0                               # time.monotonic() at begin and when the
+    ready: float = 0.0                               # prompt was in (the first token's stamps)
     sampler: Sampler | None = None
     guide: object = None
     stop_ids: frozenset = frozenset()
@@ -56,9 +65,10 @@ class Run:
 class Runs:
     def begin(self, job: m.Job) -> Run:
         """Put a job's session in place (restore, copy or cut) and make it a Run."""
-        run = self.active[job.rid] = Run(job=job, t0=time.perf_counter())
+        run = self.active[job.rid] = Run(job=job, t0=time.perf_counter(), begun=time.monotonic())
         run.last_log = run.t0
         run.ids, run.r = self.start(job, run)
+        self.place(run)
         if self.disk.enabled:
             run.saves, frontiers = prompt_saves(self.s, job.saves, run.r, len(run.ids), run.fallback_cold,
                                                 self.frontiers.get(run.sid, 0))
@@ -66,6 +76,18 @@ class Runs:
         if len(run.sess) >= len(run.ids):     # nothing to prefill
             self.prefilled(run)
         return run
+
+    def place(self, run: Run) -> None:
+        """Its place in the prefill order: when its prompt would be in, served alone from now."""
+        run.mark = self.clock + len(run.ids) - len(run.sess)
+
+    def prefill_step(self, prefilling: list[Run], tick: int) -> None:
+        """One chunk to the first prompt in the prefill order; with graphs, one to each."""
+        prefilling.sort(key=lambda r: r.mark)     # stable: ties go in begin order
+        if len(prefilling) > 1 and self.model.graphs is not None:
+            self.prefill_together(prefilling, tick)
+        else:
+            self.guarded(self.prefill_chunk, prefilling[0], tick)
 
     @staticmethod
     def next_chunk(run: Run) -> list[int]:
@@ -75,7 +97,9 @@ class Runs:
 
     def prefill_chunk(self, run: Run, tick: int) -> None:
         run.served = tick
-        run.got.update(run.sess.prefill(self.next_chunk(run), logits_at=run.want))
+        chunk = self.next_chunk(run)
+        self.clock += len(chunk)
+        run.got.update(run.sess.prefill(chunk, logits_at=run.want))
         self.chunk_done(run)
 
     def prefill_together(self, runs: list[Run], tick: int) -> None:
@@ -93,6 +117,7 @@ class Runs:
         if got is None:
             self.guarded(self.prefill_chunk, runs[0], tick)
             return
+        self.clock += max(map(len, chunks))
         for run, g in zip(runs, got):
             run.served = tick
             run.got.update(g)
@@ -117,7 +142,7 @@ class Runs:
     def prefilled(self, run: Run) -> None:
         sess, job = run.sess, run.job
         run.got[len(sess)] = sess.logits
-        run.t1 = time.perf_counter()
+        run.t1, run.ready = time.perf_counter(), time.monotonic()
         run.sampler = Sampler(job.sampling)
         run.guide = self.guides.start(job.constraint)
         run.stop_ids = frozenset(job.sampling.stop_ids)
@@ -154,7 +179,8 @@ class Runs:
                 run.guide.advance(tok)
             run.n += 1
             finish = "stop" if tok in run.stop_ids else ("length" if run.n >= run.budget else "")
-            self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish))
+            stamps = (run.begun, run.ready, time.monotonic()) if run.n == 1 else ()
+            self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish, stamps=stamps))
             if run.n == 1:
                 self.save_prompt(run)
             if finish:

@@ -108,7 +108,8 @@ class Worker(Placement, Runs):
         self.frontiers: dict[int, int] = {}   # sid -> its last continued checkpoint position
         self.sharing = Sharing()               # rows the batched sessions hold alike
         self.jobs: collections.deque[m.Job] = collections.deque()   # received, not begun
-        self.active: dict[str, Run] = {}       # rid -> the job in flight (at most s.batch)
+        self.active: dict[str, Run] = {}       # rid -> the job in flight (at most s.batch), in begin order
+        self.clock = 0                         # prompt tokens prefilled so far (runs.py: the prefill order)
         self.cancelled: set[str] = set()
         self.keep: dict[str, int] = {}   # rid -> live tokens to keep when it is cancelled
         self.sent_back: dict[str, None] = {}   # rids of jobs sent back once (the next run goes cold)
@@ -174,14 +175,10 @@ class Worker(Placement, Runs):
         for run in [r for r in self.active.values() if r.rid in self.cancelled]:
             self.guarded(self.end, run, "cancelled")
         prefilling = [r for r in self.active.values() if r.logits is None]
-        if prefilling:      # one chunk, to the prompt served longest ago (graphs: to each)
+        if prefilling:
             tick += 1
             t0 = time.perf_counter()
-            prefilling.sort(key=lambda r: r.served)
-            if len(prefilling) > 1 and self.model.graphs is not None:
-                self.prefill_together(prefilling, tick)
-            else:
-                self.guarded(self.prefill_chunk, prefilling[0], tick)
+            self.prefill_step(prefilling, tick)
             metrics.M.busy.labels("prefill").inc(time.perf_counter() - t0)
         decoding = [r for r in self.active.values() if r.logits is not None and r.rid not in self.cancelled]
         if decoding:

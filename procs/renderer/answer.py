@@ -25,7 +25,9 @@ class Pending:
     ids: list[int] = field(default_factory=list)
     cached: int = 0
     prompt_tokens: int = 0          # set by Begun: inference has begun the job
-    admitted: float = 0.0
+    picked: float = 0.0             # time.monotonic(): the renderer began rendering it
+    admitted: float = 0.0           # rendered, tokenized and queued
+    dispatched: float = 0.0         # sent to inference
     first_token: bool = False
     gen_bytes: list[int] = field(default_factory=list)   # cumulative bytes after each generated token
     miss: str = ""                  # why the disk cache had nothing, for the lookup metric
@@ -54,7 +56,9 @@ class Answers:
         p.gen_bytes.append((p.gen_bytes[-1] if p.gen_bytes else 0) + len(self.text.pieces[ev.id]))
         if not p.first_token:
             p.first_token = True
-            metrics.M.ttft.observe(time.monotonic() - p.admitted)
+            now = time.monotonic()
+            metrics.M.ttft.observe(now - p.admitted)
+            self.first_token_stages(p, ev, now)
         is_stop_tok = ev.id in self.text.stop_ids
         text = "" if is_stop_tok else p.stream.push(ev.id)
         lps = ()
@@ -82,6 +86,23 @@ class Answers:
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
         if ev.finish:
             self.finish(p, ev.finish)
+
+    def first_token_stages(self, p: Pending, ev: m.Token, now: float) -> None:
+        """Where the time to the first token went, stage by stage (every clock is the host's
+        monotonic one): a histogram per stage and, with --trace, one line a request."""
+        if len(ev.stamps) != 3:
+            return
+        begun, ready, sent = ev.stamps
+        stages = {"web": p.picked - p.req.received if p.req.received else 0.0,
+                  "render": p.admitted - p.picked, "queue": p.dispatched - p.admitted,
+                  "wait": begun - p.dispatched, "prefill": ready - begun, "sample": sent - ready,
+                  "back": now - sent}
+        for stage, secs in stages.items():
+            metrics.M.first_token_stage.labels(stage).observe(max(secs, 0.0))
+        if self.trace:
+            total = now - (p.req.received or p.picked)
+            self.trace.line(f"first token {p.req.rid}: " + " ".join(f"{k} {1000 * v:.2f}" for k, v in stages.items())
+                            + f" total {1000 * total:.2f} ms")
 
     def finish(self, p: Pending, reason: str) -> None:
         tail = p.stream.flush() if p.stream else ""

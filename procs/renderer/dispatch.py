@@ -76,7 +76,7 @@ class Dispatch:
             if choice != "none":
                 p.calls = tools.CallParser(opened=self.call_format.opener(choice), fmt=self.call_format,
                                            names=grammar.names(p.req.tools))
-        p.since = time.monotonic()
+        p.since = p.dispatched = time.monotonic()
         p.heard_at_dispatch = p.since - self.last_heard < HEALTH_FRESH_S
         p.dispatch_seq = self.ping_seq
         p.session, p.reuse = pl.session, pl.reuse

@@ -184,6 +184,7 @@ class Renderer(Readiness, Answers, Dispatch):
     def admit(self, route: bytes, req: m.GenerateRequest) -> None:
         if self.hold(route, req):
             return
+        picked = time.monotonic()
         try:
             validate_sampling(req.sampling)
             stats = tools.Rendered()
@@ -217,7 +218,8 @@ class Renderer(Readiness, Answers, Dispatch):
                                         prompt_tokens=e.prompt_tokens, limit=e.limit))
             return
         self.to_web(route, m.Accepted(rid=req.rid, prompt_tokens=len(full)))
-        self.queue.append(Pending(route, req, prompt, full, admitted=time.monotonic(), constraint=constraint))
+        self.queue.append(Pending(route, req, prompt, full, picked=picked, admitted=time.monotonic(),
+                                  constraint=constraint))
         self.dispatch()
 
     def constrain(self, req: m.GenerateRequest) -> m.Constraint | None:

@@ -34,14 +34,18 @@ def run(tmp_path_factory):
         c = srv.client()
         model = srv.health["model"]
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which item is 3?"}]
+        walls = [time.monotonic()]
         r1 = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+        walls.append(time.monotonic())
         msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
                  {"role": "user", "content": "And item 4?"}]
         r2 = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+        walls.append(time.monotonic())
         time.sleep(3)    # the persister's gauges and last writes
         with srv.http() as h:
             text = h.get("/metrics").text
-        yield {"kv": kv, "trace": trace, "usages": [r1.usage, r2.usage], "metrics": samples(text)}
+        yield {"kv": kv, "trace": trace, "usages": [r1.usage, r2.usage], "metrics": samples(text),
+               "walls": [b - a for a, b in zip(walls, walls[1:])]}
 
 
 def test_metrics_counters_equal_the_conversation(run):
@@ -63,6 +67,26 @@ def test_metrics_counters_equal_the_conversation(run):
     assert value(m, "ricordo_cache_dir_entries") == len(files)
     assert value(m, "ricordo_cache_dir_bytes") == sum(os.path.getsize(run["kv"] / f) for f in files)
     assert value(m, "ricordo_time_to_first_token_seconds_count") == 2
+
+
+def test_the_first_tokens_time_is_told_stage_by_stage(run):
+    """Each request's trace line splits its time to first token into stages timed by three
+    processes on one clock: none negative, each request's own (the web's stamp reached the
+    renderer, inference's stamps came with the token), within the client's wall time, and
+    the histograms counted both requests."""
+    lines = re.findall(r"renderer first token (\S+): (.*) ms$", run["trace"].read_text(), re.M)
+    assert len(lines) == 2 and lines[0][0] != lines[1][0]
+    stages = ("web", "render", "queue", "wait", "prefill", "sample", "back")
+    for (_, text), wall in zip(lines, run["walls"]):
+        words = text.split()
+        got = dict(zip(words[::2], map(float, words[1::2])))
+        assert tuple(got) == (*stages, "total"), text
+        assert all(got[k] >= 0 for k in stages), text
+        assert got["web"] > 0 and got["render"] > 0 and got["prefill"] > 0, text
+        assert abs(sum(got[k] for k in stages) - got["total"]) < 0.1, text
+        assert got["total"] < 1000 * wall, (text, wall)
+    for stage in stages:
+        assert value(run["metrics"], "ricordo_first_token_stage_seconds_count", stage=stage) == 2
 
 
 def test_cache_cli_sees_the_servers_files(run):

@@ -1,7 +1,8 @@
-"""runs.Runs.prefill_together, the inference loop's shared prefill step where the model replays
-graphs (CUDA): every prefilling run advances by its next chunk in one step, reports its
-progress, and starts decoding once its prompt is in; a failure of the shared step fails each
-of its runs and nothing else. Here on the CPU with the graphs' steps run eagerly
+"""runs.Runs' prefill steps. The order in which prompts get their chunks (one run a step, as on
+the CPU). Runs.prefill_together, the inference loop's shared prefill step where the model
+replays graphs (CUDA): every prefilling run advances by its next chunk in one step, reports
+its progress, and starts decoding once its prompt is in; a failure of the shared step fails
+each of its runs and nothing else. Here on the CPU with the graphs' steps run eagerly
 (GraphDecoder(capture=False)); the loop around them is the server's own code."""
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class Loop(Runs):
     guarded = Worker.guarded
 
     def __init__(self):
-        self.active, self.sent, self.n_ctx = {}, [], 2048
+        self.active, self.sent, self.n_ctx, self.clock = {}, [], 2048, 0
         self.cancelled, self.keep = set(), {}
         self.log = logging.getLogger("inference")
         self.guides = types.SimpleNamespace(start=lambda c: None)
@@ -46,7 +47,40 @@ def model(model_path):
 def _run(loop: Loop, model, rid: str, ids: list[int]) -> Run:
     job = m.Job(rid=rid, ids=tuple(ids), reuse=0, sampling=m.SamplingParams(max_tokens=4))
     run = loop.active[rid] = Run(job=job, t0=0.0, sess=KVSession(model, 2048, 256), ids=ids)
+    loop.place(run)
     return run
+
+
+def _ids(n: int, k: int) -> list[int]:
+    return [1 + (j * k) % 3000 for j in range(n)]
+
+
+def test_prompts_get_their_chunks_in_the_fair_order(model, monkeypatch):
+    """A burst of equal prompts goes one prompt after the other (chunk by chunk in turn
+    would put all three in at the burst's end); a short prompt passes a long one begun
+    earlier when it would be in first, and not when it would be in later."""
+    monkeypatch.setattr(model, "graphs", None)     # one run a step, as on the CPU
+    loop = Loop()
+    loop.model = model
+
+    def steps(n: int) -> list[str]:
+        before = len(loop.sent)
+        for _ in range(n):
+            loop.prefill_step([r for r in loop.active.values() if r.logits is None], 0)
+        return [e.rid for e in loop.sent[before:] if isinstance(e, m.Progress)]
+    for rid, k in (("a", 7), ("b", 11), ("c", 13)):          # 300 tokens: 2 chunks of 256 each
+        _run(loop, model, rid, _ids(300, k))
+    assert steps(6) == ["a", "a", "b", "b", "c", "c"]
+    assert loop.clock == 900
+    loop.active.clear()
+    _run(loop, model, "long", _ids(1000, 17))                # 4 chunks, in by clock 900 + 1000
+    order = steps(2)
+    _run(loop, model, "short", _ids(100, 19))                # in by 1412 + 100: before long
+    order += steps(2)
+    _run(loop, model, "later", _ids(200, 23))                # in by 1768 + 200: after long
+    order += steps(2)
+    assert order == ["long", "long", "short", "long", "long", "later"]
+    assert all(r.logits is not None for r in loop.active.values())
 
 
 def test_prompts_advance_together_and_start_decoding(model):
@@ -84,8 +118,8 @@ def test_a_failed_shared_step_fails_its_runs_only(model, monkeypatch):
 
 
 def test_chunks_too_large_for_one_graph_go_one_at_a_time(model, monkeypatch):
-    """Where the shared step's scores would pass graphs.SCORES_MAX, the run served longest
-    ago gets its chunk alone, as without graphs."""
+    """Where the shared step's scores would pass graphs.SCORES_MAX, the first run in the
+    prefill order gets its chunk alone, as without graphs."""
     import procs.inference.graphs as graphs
     monkeypatch.setattr(graphs, "SCORES_MAX", 1)
     loop = Loop()
