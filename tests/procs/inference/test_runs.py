@@ -102,6 +102,24 @@ def test_prompts_advance_together_and_start_decoding(model):
         assert (alone.logits - run.logits).abs().max().item() <= 1e-3 * alone.logits.abs().max().item()
 
 
+def test_a_shared_step_holds_at_most_one_chunks_worth(model):
+    """With graphs, the runs after the first in the prefill order join its step while their
+    chunks fit in one chunk's size (256 here) together; a long one waits its turn."""
+    loop = Loop()
+    loop.model = model
+    a = _run(loop, model, "a", _ids(100, 7))
+    b = _run(loop, model, "b", _ids(300, 11))       # its first chunk (256) does not fit beside a
+    c = _run(loop, model, "c", _ids(120, 13))       # fits beside a: 220 tokens in the step
+    loop.prefill_step([a, b, c], 1)
+    assert (len(a.sess), len(b.sess), len(c.sess)) == (100, 0, 120)
+    loop.prefill_step([b], 2)
+    assert len(b.sess) == 256
+    d = _run(loop, model, "d", _ids(200, 17))       # b's last 44 tokens and d's 200 fit together
+    loop.prefill_step([b, d], 3)
+    assert (len(b.sess), len(d.sess)) == (300, 200)
+    assert all(r.logits is not None for r in (a, b, c, d))
+
+
 def test_a_failed_shared_step_fails_its_runs_only(model, monkeypatch):
     loop = Loop()
     a = _run(loop, model, "a", list(range(1, 60)))
