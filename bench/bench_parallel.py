@@ -56,7 +56,7 @@ from tests.e2e.server import Server  # noqa: E402
 
 HIT = re.compile(r"KV cache: hit for sha1=")
 FIRST = re.compile(r"renderer first token \S+: (.*) ms$", re.M)
-STAGES = ("web", "render", "queue", "wait", "prefill", "sample", "back", "total")
+STAGES = ("web", "render", "queue", "wait", "place", "prefill", "sample", "back", "total")
 
 
 def stages(text: str) -> dict:

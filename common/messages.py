@@ -291,7 +291,8 @@ class Token(msgspec.Struct, tag="token", frozen=True):
     top: tuple[tuple[int, float], ...] = ()
     finish: str = ""                    # set on the last token: stop | length
     stamps: tuple[float, ...] = ()      # the first token only: time.monotonic() when inference
-                                        # began the job, had its prompt in, and sent this token
+                                        # began the job, had its session in place (restored,
+                                        # copied or cut), had its prompt in, and sent this token
 
 
 class JobDone(msgspec.Struct, tag="job_done", frozen=True):

@@ -45,7 +45,7 @@ class Metrics:
         self.first_token_stage = Histogram(
             "ricordo_first_token_stage_seconds", "where the time to the first token went: web (HTTP body to the "
             "renderer), render (template, tokens), queue (waiting for a slot), wait (sent to inference until it "
-            "began), prefill (restore and prefill), sample (until the first token was sent), back (to the renderer)",
+            "began), place (its session restored, copied or cut), prefill, sample (until the first token was sent), back (to the renderer)",
             ["stage"], buckets=STAGE_BUCKETS)
         self.tool_calls = Counter("ricordo_tool_calls_rendered", "assistant tool calls by how they were rendered",
                                   ["how"])

@@ -48,8 +48,9 @@ class Run:
     mark: int = 0                                    # its place in the prefill order (see above)
     last_log: float = 0.0
     t1: float | None = None                          # prefill done
-    begun: float = 0.0                               # time.monotonic() at begin and when the
-    ready: float = 0.0                               # prompt was in (the first token's stamps)
+    begun: float = 0.0                               # time.monotonic() at begin, when its session
+    placed: float = 0.0                              # was in place, and when the prompt was in
+    ready: float = 0.0                               # (the first token's stamps)
     sampler: Sampler | None = None
     guide: object = None
     stop_ids: frozenset = frozenset()
@@ -68,6 +69,7 @@ class Runs:
         run = self.active[job.rid] = Run(job=job, t0=time.perf_counter(), begun=time.monotonic())
         run.last_log = run.t0
         run.ids, run.r = self.start(job, run)
+        run.placed = time.monotonic()
         self.place(run)
         if self.disk.enabled:
             run.saves, frontiers = prompt_saves(self.s, job.saves, run.r, len(run.ids), run.fallback_cold,
@@ -191,7 +193,7 @@ class Runs:
                 run.guide.advance(tok)
             run.n += 1
             finish = "stop" if tok in run.stop_ids else ("length" if run.n >= run.budget else "")
-            stamps = (run.begun, run.ready, time.monotonic()) if run.n == 1 else ()
+            stamps = (run.begun, run.placed, run.ready, time.monotonic()) if run.n == 1 else ()
             self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish, stamps=stamps))
             if run.n == 1:
                 self.save_prompt(run)

@@ -90,13 +90,13 @@ class Answers:
     def first_token_stages(self, p: Pending, ev: m.Token, now: float) -> None:
         """Where the time to the first token went, stage by stage (every clock is the host's
         monotonic one): a histogram per stage and, with --trace, one line a request."""
-        if len(ev.stamps) != 3:
+        if len(ev.stamps) != 4:
             return
-        begun, ready, sent = ev.stamps
+        begun, placed, ready, sent = ev.stamps
         stages = {"web": p.picked - p.req.received if p.req.received else 0.0,
                   "render": p.admitted - p.picked, "queue": p.dispatched - p.admitted,
-                  "wait": begun - p.dispatched, "prefill": ready - begun, "sample": sent - ready,
-                  "back": now - sent}
+                  "wait": begun - p.dispatched, "place": placed - begun, "prefill": ready - placed,
+                  "sample": sent - ready, "back": now - sent}
         for stage, secs in stages.items():
             metrics.M.first_token_stage.labels(stage).observe(max(secs, 0.0))
         if self.trace:

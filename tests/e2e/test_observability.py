@@ -76,7 +76,7 @@ def test_the_first_tokens_time_is_told_stage_by_stage(run):
     the histograms counted both requests."""
     lines = re.findall(r"renderer first token (\S+): (.*) ms$", run["trace"].read_text(), re.M)
     assert len(lines) == 2 and lines[0][0] != lines[1][0]
-    stages = ("web", "render", "queue", "wait", "prefill", "sample", "back")
+    stages = ("web", "render", "queue", "wait", "place", "prefill", "sample", "back")
     for (_, text), wall in zip(lines, run["walls"]):
         words = text.split()
         got = dict(zip(words[::2], map(float, words[1::2])))
