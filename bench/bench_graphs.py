@@ -2,8 +2,9 @@
 torch's ops launched one by one (--no-cuda-graphs), in one process and one run: decode of one
 sequence and four (kvsession.decode_many) at two contexts, medians of 40 steps after two
 warm-up steps; a turn's 16, 128 and 512 new tokens prefilled onto a 4,000-token session,
-and four such turns' 128 tokens in one shared step (kvsession.prefill_many) against one by
-one, medians of 12.
+and four such turns' 32, 128 or 256 tokens in one shared step (kvsession.prefill_many)
+against one by one (when each prompt is in, for the median time to first token), medians
+of 12.
 
     python bench/bench_graphs.py            (a CUDA machine; the default model)
 
@@ -53,22 +54,31 @@ for graphs in (True, False):
             base.prefill((ids * 6)[:n]); base.logits.cpu(); base.truncate(4000)
         a = ms(turn, 12)
         print(f"graphs={graphs} prefill {n} tokens at 4000: {a:.2f} ms ({n * 1000 / a:.0f} tok/s)", flush=True)
-    if graphs:                                 # four turns' 128 new tokens: one shared step, or one by one
+    if graphs:          # four turns' new tokens: one shared step, or one by one (runs.prefill_step's choice)
         turns = [KVSession(model, 8192, 512) for _ in range(4)]
         for i, t in enumerate(turns):
-            t.prefill([i + 7] + (ids * 80)[:4095])      # a chunk's start: 128 more stay in it
-
-        def together():
-            prefill_many(turns, [(ids * 2)[:128]] * 4, [()] * 4); turns[0].logits.cpu()
-            for t in turns:
-                t.truncate(4096)
-
-        def apart():
-            for t in turns:
-                t.prefill((ids * 2)[:128]); t.logits.cpu(); t.truncate(4096)
-        a, b = ms(together, 12), ms(apart, 12)
-        print(f"4 prompts' 128 tokens at 4096: one shared step {a:.2f} ms, one by one {b:.2f} ms ({b / a:.2f}x)",
-              flush=True)
+            t.prefill([i + 7] + (ids * 80)[:4095])      # a chunk's start: 512 more stay in it
+        for n in (32, 128, 256):
+            shared, apart = [], []
+            for rep in range(14):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                prefill_many(turns, [(ids * 3)[:n]] * 4, [()] * 4); turns[0].logits.cpu()
+                shared.append((time.perf_counter() - t0) * 1e3)
+                for t in turns:
+                    t.truncate(4096)
+                t0, ins = time.perf_counter(), []
+                for t in turns:
+                    t.prefill((ids * 3)[:n]); t.logits.cpu(); ins.append((time.perf_counter() - t0) * 1e3)
+                for t in turns:
+                    t.truncate(4096)
+                apart.append(ins)
+            shared, apart = shared[2:], apart[2:]     # two warm-ups (captures)
+            a = statistics.median(shared)
+            b = [statistics.median(x[i] for x in apart) for i in range(4)]
+            print(f"4 prompts' {n} tokens at 4096: one shared step {a:.2f} ms (all four in); one by one "
+                  f"{b[3]:.2f} ms in all, each in at {' / '.join(f'{x:.2f}' for x in b)} ms (p50 "
+                  f"{statistics.median(b):.2f}): shared/one-by-one p50 {a / statistics.median(b):.2f}", flush=True)
         g = model.graphs
         print(f"captures {g.captures}, sessions copied into slots {g.copies}, pool {g.nbytes / 2**20:.0f} MiB"
               if g else "graphs turned off")

@@ -66,6 +66,13 @@ def stages(text: str) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in STAGES if rows and all(k in r for r in rows)}
 
 
+def graph_counts(srv: Server) -> tuple[float, float]:
+    """CUDA graphs captured and sessions copied into the graphs' pools so far (0 on the CPU)."""
+    m = srv.metrics()
+    return (sum(v for (name, _), v in m.items() if name == "ricordo_cuda_graph_captures_total"),
+            sum(v for (name, _), v in m.items() if name == "ricordo_cuda_graph_pool_copies_total"))
+
+
 def decode_seconds(srv: Server) -> float:
     """Seconds the inference loop has spent in decode steps (its /metrics counter)."""
     return srv.metric("ricordo_inference_busy_seconds_total", phase="decode")
@@ -135,9 +142,10 @@ def phase(srv: Server, trace: Path, seeds: list[int], args) -> dict:
         return time.perf_counter() - t0
     together(lambda c: c["users"][:1])                       # the cold first turns
     mark = len(trace.read_text())
-    busy = decode_seconds(srv)
+    busy, graphs = decode_seconds(srv), graph_counts(srv)
     wall = together(lambda c: c["users"][1:])
     busy = decode_seconds(srv) - busy
+    graphs = [b - a for a, b in zip(graphs, graph_counts(srv))]
     traced = trace.read_text()[mark:]
     later = [t for c in convs for t in c["turns"][1:]]
     assert all(t["tokens"] == args.answer_tokens for t in later), [t["tokens"] for t in later]
@@ -148,6 +156,7 @@ def phase(srv: Server, trace: Path, seeds: list[int], args) -> dict:
             "stream_tok_s_p50": statistics.median((t["tokens"] - 1) / max(t["total_s"] - t["ttft_s"], 1e-9)
                                                   for t in later),
             "disk_restores": len(HIT.findall(traced)), "stages_p50_ms": stages(traced),
+            "graph_captures": graphs[0], "pool_copies": graphs[1],
             "cached_share_min": min(t["cached"] / t["prompt"] for t in later),
             "first_prompt_tokens": statistics.median(c["turns"][0]["prompt"] for c in convs)}
 
@@ -192,6 +201,9 @@ def main(argv=None) -> int:
             many = phase(srv, trace, [2000 + i for i in range(n)], args)
             peak.stop.set()
             info = srv.http().get("/health").json()
+            after = srv.metrics()
+    device_peak = sum(v for (name, _), v in after.items() if name == "ricordo_device_memory_peak_bytes")
+    pools = sum(v for (name, _), v in after.items() if name == "ricordo_cuda_graph_pool_bytes")
     device = info.get("device", "cpu")
     if device.startswith("cuda"):     # the GPU, named beside the CPU that launches its work
         import torch
@@ -201,7 +213,7 @@ def main(argv=None) -> int:
            "aggregate_ratio": many["aggregate_tok_s"] / alone["aggregate_tok_s"],
            "ttft_ratio": many["ttft_p50_s"] / alone["ttft_p50_s"],
            "decode_ratio": many["decode_tok_s"] / alone["decode_tok_s"],
-           "peak_rss_mib": peak.peak / 2**20, "rss_after_load_mib": base / 2**20, "kv_budget_mib": args.kv_ram_mb}
+           "peak_rss_mib": peak.peak / 2**20, "device_peak_mib": device_peak / 2**20, "graph_pools_mib": pools / 2**20, "rss_after_load_mib": base / 2**20, "kv_budget_mib": args.kv_ram_mb}
     rows = [("later turns", f"{alone['conversations']} conversation", f"{n} at once", "ratio"),
             ("aggregate answer tok/s", f"{alone['aggregate_tok_s']:.1f}", f"{many['aggregate_tok_s']:.1f}",
              f"{res['aggregate_ratio']:.2f}x"),
@@ -227,7 +239,13 @@ def main(argv=None) -> int:
                      "renderer's trace):", "",
                      "| | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)] +
                     [f"| {label} | " + " | ".join(f"{ph['stages_p50_ms'].get(k, float('nan')):.1f}" for k in STAGES) + " |"
-                     for label, ph in (("1 conversation", alone), (f"{n} at once", many))])
+                     for label, ph in (("1 conversation", alone), (f"{n} at once", many))] +
+                    ([] if not device.startswith("cuda") else
+                     ["", f"device memory: peak {res['device_peak_mib']:.0f} MiB (the model, K/V budget "
+                          f"{args.kv_ram_mb} MiB, and the graphs' K/V pools {res['graph_pools_mib']:.0f} MiB outside it)",
+                      "", f"during the later turns: CUDA graphs captured {alone['graph_captures']:.0f} and "
+                          f"{many['graph_captures']:.0f}, sessions copied into the graphs' pools "
+                          f"{alone['pool_copies']:.0f} and {many['pool_copies']:.0f} (1 conversation, {n} at once)"]))
     return emit(txt, res, args.json)
 
 

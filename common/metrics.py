@@ -69,6 +69,14 @@ class Metrics:
                                    multiprocess_mode="livesum")
         self.resident_bytes = Gauge("ricordo_resident_kv_bytes", "K/V bytes of the resident sessions",
                                     multiprocess_mode="livesum")
+        self.graph_captures = Counter("ricordo_cuda_graph_captures", "CUDA graphs captured (decode, prefill); "
+                                      "each one on the path of the step that needed it", ["kind"])
+        self.graph_pool_copies = Counter("ricordo_cuda_graph_pool_copies", "sessions copied into a slot of a "
+                                         "graphs' K/V pool (decode, prefill)", ["pool"])
+        self.graph_pool_bytes = Gauge("ricordo_cuda_graph_pool_bytes", "bytes of the graphs' K/V pools (device "
+                                      "memory outside --kv-ram-space-mb)", ["pool"], multiprocess_mode="livesum")
+        self.device_peak = Gauge("ricordo_device_memory_peak_bytes", "the most device (CUDA) memory torch has held "
+                                 "at once in the inference process", multiprocess_mode="livesum")
         # persister
         self.stored = Counter("ricordo_checkpoints_stored", "checkpoints written by reason", ["reason"])
         self.evictions = Counter("ricordo_evictions", "checkpoints removed (LRU or rejected)", ["why"])

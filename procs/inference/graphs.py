@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from common import metrics
 from procs.inference.linear import dense
 from procs.inference.torch_attention import causal_mask
 
@@ -133,10 +134,12 @@ class Pool:
         self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.held = [None] * S
         log.info("%s K/V pool: %d slots x %d rows, %.0f MiB", self.name, S, C, self.nbytes / 2**20)
+        metrics.M.graph_pool_bytes.labels(self.name).set(self.nbytes)
 
     def drop(self) -> None:
         self.k = self.v = None
         self.held = []
+        metrics.M.graph_pool_bytes.labels(self.name).set(0)
 
     def copy_back(self, sessions: list, order: list[int], spans: list[tuple[int, int]]) -> None:
         """The rows a step wrote, spans[b] = (lo, hi) of sessions[b] (in slot order[i] = b), back
@@ -175,6 +178,7 @@ class Pool:
                             pool[li, i, :, :floor].zero_()
                 self.held[i] = _Held(s, n)
                 self.copies += 1
+                metrics.M.graph_pool_copies.labels(self.name).inc()
         return slot
 
 
@@ -315,6 +319,7 @@ class GraphDecoder:
                 self.model.graphs = None
                 return None
             self.graphs[key] = g
+            metrics.M.graph_captures.labels(key[0]).inc()
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         else:

@@ -266,6 +266,8 @@ class Runs:
         metrics.M.live_tokens.set(self.sessions.tokens)
         metrics.M.live_sessions.set(len(self.sessions))
         metrics.M.resident_bytes.set(self.sessions.nbytes)
+        if self.model.device.type == "cuda":
+            metrics.M.device_peak.set(torch.cuda.max_memory_allocated(self.model.device))
 
     def fail(self, run: Run, e: Exception) -> None:
         """The request fails; the process and the other requests go on. Its session is
