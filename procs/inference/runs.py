@@ -4,9 +4,9 @@ one read of each weight for all of them). A mixin of Worker (procs/inference/ser
 whose state it uses: s, active, sessions, frontiers, disk, guides, keep, cancelled, n_ctx,
 send, start, make_room, log.
 
-Order: the loop (Worker.run) gives one prefill chunk to a prefilling run, then one decode
-step to every decoding run, so a long prompt delays the others' streams by one chunk at a
-time. The prefilling run served is the one whose prompt would be in first had each been
+Order: the loop (Worker.run) gives at most one chunk's worth of prompt tokens to the
+prefilling runs (prefill_step), then one decode step to every decoding run, so a long prompt
+delays the others' streams by one chunk at a time. The prefilling run served is the one whose prompt would be in first had each been
 served alone from its arrival (fair queuing's virtual finish: the loop's clock counts the
 prompt tokens it has prefilled, and a run's mark is that clock at its begin plus its tokens
 to prefill): prompts that arrive together go one after the other in arrival order, not
@@ -84,15 +84,20 @@ class Runs:
         run.mark = self.clock + len(run.ids) - len(run.sess)
 
     def prefill_step(self, prefilling: list[Run], tick: int) -> None:
-        """One chunk to the first prompt in the prefill order. With graphs, the next runs'
-        chunks join it while the step holds at most one chunk's worth of tokens: on a GPU a
-        step of a few short chunks costs about one short chunk (H200: 16 tokens 3.2 ms, 128
-        11 ms, 512 28 ms at 4k of context), while sharing long ones only makes the first
-        prompt wait for the others (4 x 512 in one step: all four in late, none early)."""
+        """The prefill between two decode rounds: at most one chunk's worth of prompt tokens
+        (the most a decoding stream waits), the first prompt in the prefill order's next
+        chunk at least. Without graphs, chunks one after the other in that order while they
+        fit: a prompt whose new tokens cross a chunk boundary (a turn's ~200 tokens, half the
+        time) is in after one step, not two with the others' decode round between them.
+        With graphs, the next runs' chunks join the first's in one shared step while they
+        fit: on a GPU a step of a few short chunks costs about one short chunk (H200: 16
+        tokens 3.2 ms, 128 11 ms, 512 28 ms at 4k of context), while sharing long ones only
+        makes the first prompt wait for the others (4 x 512 in one step: all four in late)."""
         prefilling.sort(key=lambda r: r.mark)     # stable: ties go in begin order
         first = prefilling[0]
+        room = first.sess.chunk
         if self.model.graphs is not None and len(prefilling) > 1:
-            runs, room = [first], first.sess.chunk - len(self.next_chunk(first))
+            runs, room = [first], room - len(self.next_chunk(first))
             for r in prefilling[1:]:
                 n = len(self.next_chunk(r))
                 if n <= room:
@@ -101,7 +106,17 @@ class Runs:
             if len(runs) > 1:
                 self.prefill_together(runs, tick)
                 return
-        self.guarded(self.prefill_chunk, first, tick)
+            room = first.sess.chunk
+        for r in prefilling:
+            while r.rid in self.active and r.logits is None:
+                n = len(self.next_chunk(r))
+                if n > room and room < first.sess.chunk:   # the step's first chunk always goes
+                    return
+                room -= n
+                done = len(r.sess)
+                self.guarded(self.prefill_chunk, r, tick)
+                if len(r.sess) == done:     # failed (or no progress): the step ends
+                    return
 
     @staticmethod
     def next_chunk(run: Run) -> list[int]:

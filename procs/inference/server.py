@@ -170,7 +170,8 @@ class Worker(Placement, Runs):
         return 0
 
     def step(self, tick: int) -> int:
-        """Jobs admitted, cancels ended, one prefill chunk and one decode round."""
+        """Jobs admitted, cancels ended, one prefill step (at most a chunk's worth of tokens) and one
+        decode round."""
         self.admit()
         for run in [r for r in self.active.values() if r.rid in self.cancelled]:
             self.guarded(self.end, run, "cancelled")

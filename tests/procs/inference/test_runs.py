@@ -102,6 +102,29 @@ def test_prompts_advance_together_and_start_decoding(model):
         assert (alone.logits - run.logits).abs().max().item() <= 1e-3 * alone.logits.abs().max().item()
 
 
+def test_a_step_prefills_at_most_one_chunks_worth_in_order(model, monkeypatch):
+    """Without graphs: chunks one after the other, in the prefill order, while the step holds
+    at most one chunk's worth (256 here) of tokens; the first chunk always goes."""
+    monkeypatch.setattr(model, "graphs", None)
+    loop = Loop()
+    loop.model = model
+    a = _run(loop, model, "a", _ids(100, 7))
+    b = _run(loop, model, "b", _ids(100, 11))
+    c = _run(loop, model, "c", _ids(100, 13))       # 300 tokens in all: c waits for the next step
+    loop.prefill_step([a, b, c], 1)
+    assert (len(a.sess), len(b.sess), len(c.sess)) == (100, 100, 0)
+    assert a.logits is not None and b.logits is not None
+    loop.active.clear()
+    d = _run(loop, model, "d", _ids(300, 17))
+    d.sess.prefill(d.ids[:200])                     # a turn's new tokens across the boundary at 256
+    loop.place(d)
+    loop.prefill_step([d], 2)
+    assert len(d.sess) == 300 and d.logits is not None       # 56 + 44 tokens: one step
+    e = _run(loop, model, "e", _ids(600, 19))
+    loop.prefill_step([e], 3)
+    assert len(e.sess) == 256                       # a whole chunk fills the step
+
+
 def test_a_shared_step_holds_at_most_one_chunks_worth(model):
     """With graphs, the runs after the first in the prefill order join its step while their
     chunks fit in one chunk's size (256 here) together; a long one waits its turn."""
