@@ -8,7 +8,7 @@ tensor. So the steps run over pools instead: K/V [layers, slots, KV heads, capac
 A decode step holds its batch's sessions in slots 0..B-1 of the decode pool; a prefill
 chunk its session in the prefill pool's one slot, its tokens padded to a bucket. One graph
 per (kind, batch size or padded length, attended capacity) serves every step of that shape,
-and attention is one masked product for all its rows.
+and attention is one masked product for all its rows. The server captures them ahead (warm).
 
 Invariants:
 - A session's own tensors stay the truth: before a step its rows are copied into its slot
@@ -37,8 +37,10 @@ from procs.inference.torch_attention import causal_mask
 log = logging.getLogger("inference")
 
 # graphs kept, least recently used dropped first; each holds only its activations (their
-# memory pool is shared by all): one per kind, batch size or padded length, and capacity
-MAX_GRAPHS = 32
+# memory pool is shared by all): one per kind, batch size or padded length, and capacity.
+# warm() captures up to MAX_GRAPHS - SPARE_GRAPHS at start; the rest are for shared prefills
+MAX_GRAPHS = 128
+SPARE_GRAPHS = 32
 MIN_CAP = 512           # the smallest attended capacity; buckets double from it
 MIN_ROWS = 16           # the smallest padded prefill; buckets double from it
 SCORES_MAX = 256 << 20  # a prefill graph's f32 scores of one layer at most this; longer chunks run eagerly
@@ -51,6 +53,15 @@ def bucket(n: int, limit: int, least: int = MIN_CAP) -> int:
     while cap < n:
         cap *= 2
     return min(cap, max(limit, n))
+
+
+def buckets(limit: int, least: int) -> list[int]:
+    """Every value bucket(n, limit, least) takes for 1 <= n <= limit, in order."""
+    out, c = [], least
+    while c < limit:
+        out.append(c)
+        c *= 2
+    return out + [limit]
 
 
 @torch.inference_mode()
@@ -276,6 +287,44 @@ class GraphDecoder:
             out[b] = logits[k:k + len(rows[b])]
             k += len(rows[b])
         return out
+
+    @torch.inference_mode()
+    def warm(self, batch: int, chunk: int) -> int:
+        """Before any request: both pools sized for `batch` slots of the whole context, and a
+        graph captured for every decode batch size up to `batch` and every padded length of
+        one prompt's chunk, at every capacity bucket (the smallest first, while they fit in
+        MAX_GRAPHS - SPARE_GRAPHS), so that a request's step pays neither a capture (tens of
+        ms) nor a pool's growth (which drops every graph of its kind). Shared prefill steps
+        of several prompts are captured when first needed. The steps write rows into the
+        slots (finite ones, from real activations); no slot holds a session after it.
+        Returns the graphs made (with capture=False, the steps run)."""
+        m, c = self.model, self.model.cfg
+        caps = buckets(m.max_context, MIN_CAP)
+        need = 2 * 2 * batch * caps[-1] * c.n_layers * c.n_kv_heads * c.head_dim * m.norm.element_size()
+        if m.device.type == "cuda" and need > torch.cuda.mem_get_info(m.device)[0] // 4:
+            log.info("graphs not captured ahead: two K/V pools of %d slots x %d rows (%.0f MiB) would take "
+                     "over a quarter of the free device memory", batch, caps[-1], need / 2**20)
+            return 0
+        for kind in ("decode", "prefill"):
+            if self._pool(kind, batch, caps[-1]) is None:
+                return 0
+        made, room = 0, self.max_graphs - SPARE_GRAPHS
+        for cap in caps:
+            steps = [("decode", B, 1) for B in range(1, batch + 1)]
+            steps += [("prefill", 1, T) for T in buckets(max(chunk, MIN_ROWS), MIN_ROWS)
+                      if T <= cap and c.n_heads * T * cap * 4 <= SCORES_MAX]
+            if made + len(steps) > room:
+                break
+            for kind, B, T in steps:
+                host = torch.tensor([[0] * (B * T), [cap - T + t for _ in range(B) for t in range(T)]],
+                                    dtype=torch.long)
+                key = ("decode", B, cap) if kind == "decode" else ("prefill", 1, T, cap)
+                if self._run(key, host, (B, T), cap, self.pools[kind], head=kind == "decode") is None:
+                    return made         # out of memory, or graphs turned off
+                made += 1
+        for pool in self.pools.values():
+            pool.held = [None] * len(pool.held)
+        return made
 
     def _pool(self, kind: str, S: int, cap: int) -> Pool | None:
         pool = self.pools[kind]

@@ -1,7 +1,7 @@
 """The model on a CUDA device, as the server builds it there (bf16, torch's ops, no native
 kernels, decode steps replayed from CUDA graphs): parity with llama.cpp's reference vectors,
 batched decode against one sequence at a time and against torch's eager ops, a graph's replay
-against the step it captured, a restored windowed session (rows below its floors), a
+against the step it captured, graphs captured ahead leaving none to a request, a restored windowed session (rows below its floors), a
 checkpoint's rows through a shared-memory slot and back, and the K/V budget sized from the
 device's memory. Skipped where torch sees no CUDA device (CI has none); run on a GPU
 machine with `pytest tests/procs/inference/test_cuda.py -s`.
@@ -139,6 +139,26 @@ def test_a_replay_is_the_step_it_captured(gpu, vectors):
             both([0])
         # a larger pool: the graphs on the old one dropped
         assert decodes() == {(1, 1024)} and graphs.pools["decode"].k.shape[3] == 1024
+    finally:
+        gpu.graphs = kept
+
+
+def test_warmed_graphs_leave_no_capture_to_a_request(gpu, vectors):
+    """warm() (the server's start) captures every decode batch size and one prompt's every
+    padded chunk length at each capacity bucket; prompts prefilled in chunks and their
+    answers decoded together then capture nothing, and the pools never grow."""
+    kept = gpu.graphs
+    graphs = GraphDecoder(gpu)
+    try:
+        gpu.graphs = graphs
+        made = graphs.warm(3, 128)
+        assert made == graphs.captures == len(graphs.graphs) > 0
+        storage = [p.k.data_ptr() for p in graphs.pools.values()]
+        a = _sessions(gpu, vectors, 3, cap=4096)
+        for _ in range(5):
+            decode_many(a, [int(torch.argmax(s.logits)) for s in a])
+        decode_many(a[:2], [int(torch.argmax(s.logits)) for s in a[:2]])
+        assert graphs.captures == made and [p.k.data_ptr() for p in graphs.pools.values()] == storage
     finally:
         gpu.graphs = kept
 

@@ -14,7 +14,7 @@ import torch
 
 from common import messages as m
 from procs.inference.graphs import GraphDecoder
-from procs.inference.kvsession import KVSession
+from procs.inference.kvsession import KVSession, decode_many
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.runs import Run, Runs
@@ -168,3 +168,33 @@ def test_chunks_too_large_for_one_graph_go_one_at_a_time(model, monkeypatch):
     b = _run(loop, model, "b", list(range(1, 80)))
     loop.prefill_together([a, b], 1)
     assert (len(a.sess), len(b.sess)) == (59, 0) and a.logits is not None
+
+
+def test_warmed_pools_serve_every_step_without_growing(model, monkeypatch):
+    """GraphDecoder.warm (the server's start on CUDA): both pools sized for the batch at the
+    whole context, every decode batch size and one prompt's every padded chunk length
+    stepped at each capacity bucket, no slot holding a session after it. A prompt and its
+    answer's steps through the warmed decoder then give a fresh decoder's logits, and no
+    pool grows (a growth drops every graph of its kind)."""
+    gd = GraphDecoder(model, capture=False)
+    keys, run = [], gd._run
+    monkeypatch.setattr(gd, "_run", lambda key, *a, **k: keys.append(key) or run(key, *a, **k))
+    assert gd.warm(2, 64) == len(keys) == 3 * (2 + 3)
+    caps = (512, 1024, 2048)
+    assert set(keys) == ({("decode", b, c) for b in (1, 2) for c in caps}
+                         | {("prefill", 1, t, c) for t in (16, 32, 64) for c in caps})
+    for pool in gd.pools.values():
+        assert tuple(pool.k.shape[1::2]) == (2, 2048) and pool.held == [None, None]
+    storage = {k: p.k.data_ptr() for k, p in gd.pools.items()}
+    got = []
+    for dec in (gd, GraphDecoder(model, capture=False)):
+        monkeypatch.setattr(model, "graphs", dec)
+        a, b = KVSession(model, 2048, 64), KVSession(model, 2048, 64)
+        a.prefill(_ids(700, 7))
+        b.prefill(_ids(40, 11))
+        for t in (5, 6, 7):
+            decode_many([a, b], [t, t + 1])
+        got.append((a.logits, b.logits))
+    assert {k: p.k.data_ptr() for k, p in gd.pools.items()} == storage
+    for x, y in zip(*got):
+        assert int(x.argmax()) == int(y.argmax()) and (x - y).abs().max().item() <= 1e-4 * y.abs().max().item()
