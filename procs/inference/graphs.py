@@ -208,6 +208,7 @@ class GraphDecoder:
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
         self.pools = {"decode": Pool("decode"), "prefill": Pool("prefill")}
         self.mempool = None                  # the graphs' memory, made at the first capture
+        self.wanted: dict[tuple, None] = {}  # shared prefill steps to capture when idle
         self.captures = 0
 
     @staticmethod
@@ -260,12 +261,19 @@ class GraphDecoder:
         padded to one bucket, each in its slot of the prefill pool; their K/V rows written into
         the sessions (the caller appends the tokens). Returns per session the float32 logits
         [len(rows[b]), V] at rows[b] (indices into chunks[b]); None where the step runs
-        eagerly: too long for a graph's scores, padding past the context, out of memory."""
+        eagerly: too long for a graph's scores, padding past the context, out of memory; and
+        None for several sessions whose step has no graph yet: it is captured when the loop
+        is idle (capture_wanted), not on the path of the prompts that wait (the caller
+        prefills them one by one through the single-prompt graphs warm() made)."""
         m, B = self.model, len(sessions)
         los = [len(s) for s in sessions]
         Tb = bucket(max(len(c) for c in chunks), max(s.chunk for s in sessions), MIN_ROWS)
         cap = bucket(max(los) + Tb, m.max_context)
         if max(los) + Tb > m.max_context or B * m.cfg.n_heads * Tb * cap * 4 > SCORES_MAX:
+            return None
+        key = ("prefill", B, Tb, cap)
+        if B > 1 and self.capture_graphs and key not in self.graphs:
+            self.wanted[key] = None
             return None
         pool = self._pool("prefill", B, cap)
         if pool is None:
@@ -276,8 +284,7 @@ class GraphDecoder:
         for b in order:
             ids += chunks[b] + [0] * (Tb - len(chunks[b]))
             pos += range(los[b], los[b] + Tb)
-        x = self._run(("prefill", B, Tb, cap), torch.tensor([ids, pos], dtype=torch.long), (B, Tb), cap, pool,
-                      head=False)
+        x = self._run(key, torch.tensor([ids, pos], dtype=torch.long), (B, Tb), cap, pool, head=False)
         if x is None:
             return None
         pool.copy_back(sessions, order, [(lo, lo + len(c)) for lo, c in zip(los, chunks)])
@@ -316,15 +323,33 @@ class GraphDecoder:
             if made + len(steps) > room:
                 break
             for kind, B, T in steps:
-                host = torch.tensor([[0] * (B * T), [cap - T + t for _ in range(B) for t in range(T)]],
-                                    dtype=torch.long)
                 key = ("decode", B, cap) if kind == "decode" else ("prefill", 1, T, cap)
-                if self._run(key, host, (B, T), cap, self.pools[kind], head=kind == "decode") is None:
+                if self._blank(key, B, T, cap) is None:
                     return made         # out of memory, or graphs turned off
                 made += 1
-        for pool in self.pools.values():
-            pool.held = [None] * len(pool.held)
         return made
+
+    def capture_wanted(self) -> bool:
+        """Capture one shared prefill step that was wanted (the loop calls it while no job
+        runs or waits). Returns whether one was captured."""
+        while self.wanted:
+            key = next(iter(self.wanted))
+            del self.wanted[key]
+            _, B, T, cap = key
+            if key in self.graphs or not self.pools["prefill"].fits(B, cap):   # no growth here
+                continue
+            return self._blank(key, B, T, cap) is not None
+        return False
+
+    def _blank(self, key: tuple, B: int, T: int, cap: int) -> torch.Tensor | None:
+        """Step `key` (capturing it) on token 0 at the last T positions below cap, in slots
+        0..B-1 of its pool, which then hold no session (their rows are finite, from real
+        activations)."""
+        pool = self.pools[key[0]]
+        host = torch.tensor([[0] * (B * T), [cap - T + t for _ in range(B) for t in range(T)]], dtype=torch.long)
+        out = self._run(key, host, (B, T), cap, pool, head=key[0] == "decode")
+        pool.held[:B] = [None] * B
+        return out
 
     def _pool(self, kind: str, S: int, cap: int) -> Pool | None:
         pool = self.pools[kind]

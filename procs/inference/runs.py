@@ -103,8 +103,7 @@ class Runs:
                 if n <= room:
                     runs.append(r)
                     room -= n
-            if len(runs) > 1:
-                self.prefill_together(runs, tick)
+            if len(runs) > 1 and self.prefill_together(runs, tick):
                 return
             room = first.sess.chunk
         for r in prefilling:
@@ -131,10 +130,10 @@ class Runs:
         run.got.update(run.sess.prefill(chunk, logits_at=run.want))
         self.chunk_done(run)
 
-    def prefill_together(self, runs: list[Run], tick: int) -> None:
+    def prefill_together(self, runs: list[Run], tick: int) -> bool:
         """One chunk of each run's prompt in one step of the model's graphs (kvsession.prefill_many:
-        on CUDA several short chunks cost about one); where that step cannot be a graph's,
-        the first run's chunk alone. A failure of the shared step is each run's."""
+        on CUDA several short chunks cost about one). False, nothing done, where that step is
+        not a graph's (yet: graphs.prefill_many). A failure of the shared step is each run's."""
         chunks = [self.next_chunk(r) for r in runs]
         try:
             got = prefill_many([r.sess for r in runs], chunks, [r.want for r in runs])
@@ -142,15 +141,15 @@ class Runs:
             for r in runs:
                 if r.rid in self.active:
                     self.fail(r, e)
-            return
+            return True
         if got is None:
-            self.guarded(self.prefill_chunk, runs[0], tick)
-            return
+            return False
         self.clock += max(map(len, chunks))
         for run, g in zip(runs, got):
             run.served = tick
             run.got.update(g)
             self.guarded(self.chunk_done, run)
+        return True
 
     def chunk_done(self, run: Run) -> None:
         """After a chunk of run's prompt: progress to the renderer, a log line on long

@@ -181,8 +181,11 @@ class Worker(Placement, Runs):
 
     def step(self, tick: int) -> int:
         """Jobs admitted, cancels ended, one prefill step (at most a chunk's worth of tokens) and one
-        decode round."""
+        decode round; idle, one graph that a step wanted captured."""
         self.admit()
+        if not self.active and self.model.graphs is not None and self.model.graphs.wanted:
+            self.model.graphs.capture_wanted()
+            return tick
         for run in [r for r in self.active.values() if r.rid in self.cancelled]:
             self.guarded(self.end, run, "cancelled")
         prefilling = [r for r in self.active.values() if r.logits is None]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common import messages as m
+import procs.inference.graphs as graphs_mod
 from procs.inference.graphs import GraphDecoder
 from procs.inference.kvsession import KVSession, decode_many
 from procs.inference.loader import load
@@ -159,16 +160,55 @@ def test_a_failed_shared_step_fails_its_runs_only(model, monkeypatch):
 
 
 def test_chunks_too_large_for_one_graph_go_one_at_a_time(model, monkeypatch):
-    """Where the shared step's scores would pass graphs.SCORES_MAX, the first run in the
-    prefill order gets its chunk alone, as without graphs."""
+    """Where the shared step's scores would pass graphs.SCORES_MAX, nothing is done in a
+    shared step, and the runs' chunks go one after the other, as without graphs."""
     import procs.inference.graphs as graphs
     monkeypatch.setattr(graphs, "SCORES_MAX", 1)
     loop = Loop()
+    loop.model = model
     a = _run(loop, model, "a", list(range(1, 60)))
     b = _run(loop, model, "b", list(range(1, 80)))
-    loop.prefill_together([a, b], 1)
-    assert (len(a.sess), len(b.sess)) == (59, 0) and a.logits is not None
+    assert loop.prefill_together([a, b], 1) is False and (len(a.sess), len(b.sess)) == (0, 0)
+    loop.prefill_step([a, b], 1)
+    assert (len(a.sess), len(b.sess)) == (59, 79) and a.logits is not None and b.logits is not None
 
+
+class EagerGraphs(GraphDecoder):
+    """GraphDecoder with its capture made on the CPU: a "graph" whose replay runs its step
+    eagerly on the inputs it was captured with, so that which steps are captured, kept and
+    wanted is the real decoder's."""
+
+    def capture(self, host, shape, cap, pool, head):
+        io = host.to(self.model.device)
+        out = self._step(io, shape, cap, pool, head)
+        def replay():
+            with torch.inference_mode():
+                out.copy_(self._step(io, shape, cap, pool, head))
+        graph = types.SimpleNamespace(replay=replay)
+        self.captures += 1
+        return graphs_mod._Graph(io, graph, out)
+
+
+def test_a_shared_step_without_its_graph_waits_for_an_idle_loop(model_path):
+    """A shared step whose graph is not captured yet is not captured on the path of the
+    prompts that wait: they go one by one through the graphs warm() made, and the step is
+    wanted; capture_wanted (the idle loop's) makes it, and the next such step is shared."""
+    m_ = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    gd = m_.graphs = EagerGraphs(m_)
+    assert gd.warm(2, 256) == gd.captures == 3 * (2 + 5)
+    loop = Loop()
+    loop.model = m_
+    a, b = _run(loop, m_, "a", _ids(60, 7)), _run(loop, m_, "b", _ids(80, 11))
+    loop.prefill_step([a, b], 1)
+    assert a.logits is not None and b.logits is not None and gd.captures == 21
+    assert list(gd.wanted) == [("prefill", 2, 128, 512)]
+    assert gd.capture_wanted() and gd.captures == 22 and not gd.wanted and not gd.capture_wanted()
+    c, d = _run(loop, m_, "c", _ids(60, 7)), _run(loop, m_, "d", _ids(80, 11))
+    loop.prefill_step([c, d], 2)
+    assert list(gd.graphs)[-1] == ("prefill", 2, 128, 512) and gd.captures == 22    # replayed
+    for x, y in ((a, c), (b, d)):
+        assert int(x.logits.argmax()) == int(y.logits.argmax())
+        assert (x.logits - y.logits).abs().max().item() <= 1e-3 * x.logits.abs().max().item()
 
 def test_warmed_pools_serve_every_step_without_growing(model, monkeypatch):
     """GraphDecoder.warm (the server's start on CUDA): both pools sized for the batch at the
