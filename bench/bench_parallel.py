@@ -213,7 +213,8 @@ def main(argv=None) -> int:
            "aggregate_ratio": many["aggregate_tok_s"] / alone["aggregate_tok_s"],
            "ttft_ratio": many["ttft_p50_s"] / alone["ttft_p50_s"],
            "decode_ratio": many["decode_tok_s"] / alone["decode_tok_s"],
-           "peak_rss_mib": peak.peak / 2**20, "device_peak_mib": device_peak / 2**20, "graph_pools_mib": pools / 2**20, "rss_after_load_mib": base / 2**20, "kv_budget_mib": args.kv_ram_mb}
+           "peak_rss_mib": peak.peak / 2**20, "device_peak_mib": device_peak / 2**20,
+           "graph_pools_mib": pools / 2**20, "rss_after_load_mib": base / 2**20, "kv_budget_mib": args.kv_ram_mb}
     rows = [("later turns", f"{alone['conversations']} conversation", f"{n} at once", "ratio"),
             ("aggregate answer tok/s", f"{alone['aggregate_tok_s']:.1f}", f"{many['aggregate_tok_s']:.1f}",
              f"{res['aggregate_ratio']:.2f}x"),
@@ -238,11 +239,12 @@ def main(argv=None) -> int:
                      "p50 of each stage of the later turns' time to first token, in the server (ms; the "
                      "renderer's trace):", "",
                      "| | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)] +
-                    [f"| {label} | " + " | ".join(f"{ph['stages_p50_ms'].get(k, float('nan')):.1f}" for k in STAGES) + " |"
-                     for label, ph in (("1 conversation", alone), (f"{n} at once", many))] +
+                    [f"| {label} | " + " | ".join(f"{ph['stages_p50_ms'].get(k, float('nan')):.1f}" for k in STAGES)
+                     + " |" for label, ph in (("1 conversation", alone), (f"{n} at once", many))] +
                     ([] if not device.startswith("cuda") else
                      ["", f"device memory: peak {res['device_peak_mib']:.0f} MiB (the model, K/V budget "
-                          f"{args.kv_ram_mb} MiB, and the graphs' K/V pools {res['graph_pools_mib']:.0f} MiB outside it)",
+                          f"{args.kv_ram_mb} MiB, and the graphs' K/V pools {res['graph_pools_mib']:.0f} MiB "
+                          "outside it)",
                       "", f"during the later turns: CUDA graphs captured {alone['graph_captures']:.0f} and "
                           f"{many['graph_captures']:.0f}, sessions copied into the graphs' pools "
                           f"{alone['pool_copies']:.0f} and {many['pool_copies']:.0f} (1 conversation, {n} at once)"]))

@@ -43,10 +43,10 @@ class Metrics:
         self.ttft = Histogram("ricordo_time_to_first_token_seconds", "from admission to the first token",
                               buckets=LATENCY_BUCKETS)
         self.first_token_stage = Histogram(
-            "ricordo_first_token_stage_seconds", "where the time to the first token went: web (HTTP body to the "
-            "renderer), render (template, tokens), queue (waiting for a slot), wait (sent to inference until it "
-            "began), place (its session restored, copied or cut), prefill, sample (until the first token was sent), back (to the renderer)",
-            ["stage"], buckets=STAGE_BUCKETS)
+            "ricordo_first_token_stage_seconds", "where the time to the first token went: web (HTTP body to "
+            "the renderer), render (template, tokens), queue (waiting for a slot), wait (sent to inference "
+            "until it began), place (its session restored, copied or cut), prefill, sample (until the first "
+            "token was sent), back (to the renderer)", ["stage"], buckets=STAGE_BUCKETS)
         self.tool_calls = Counter("ricordo_tool_calls_rendered", "assistant tool calls by how they were rendered",
                                   ["how"])
         # inference
@@ -69,8 +69,8 @@ class Metrics:
                                    multiprocess_mode="livesum")
         self.resident_bytes = Gauge("ricordo_resident_kv_bytes", "K/V bytes of the resident sessions",
                                     multiprocess_mode="livesum")
-        self.graph_captures = Counter("ricordo_cuda_graph_captures", "CUDA graphs captured (decode, prefill); "
-                                      "each one on the path of the step that needed it", ["kind"])
+        self.graph_captures = Counter("ricordo_cuda_graph_captures", "CUDA graphs captured (decode, prefill): at "
+                                      "start, while idle, or on the path of the step that needed one", ["kind"])
         self.graph_pool_copies = Counter("ricordo_cuda_graph_pool_copies", "sessions copied into a slot of a "
                                          "graphs' K/V pool (decode, prefill)", ["pool"])
         self.graph_pool_bytes = Gauge("ricordo_cuda_graph_pool_bytes", "bytes of the graphs' K/V pools (device "

@@ -6,13 +6,13 @@ send, start, make_room, log.
 
 Order: the loop (Worker.run) gives at most one chunk's worth of prompt tokens to the
 prefilling runs (prefill_step), then one decode step to every decoding run, so a long prompt
-delays the others' streams by one chunk at a time. The prefilling run served is the one whose prompt would be in first had each been
-served alone from its arrival (fair queuing's virtual finish: the loop's clock counts the
-prompt tokens it has prefilled, and a run's mark is that clock at its begin plus its tokens
-to prefill): prompts that arrive together go one after the other in arrival order, not
-chunk by chunk in turn (which would put every one of them in at the burst's end); a short
-prompt passes a long one begun earlier only when it would be done first; and the order is
-fixed at arrival, so no prompt waits for ever. Where the model replays graphs (CUDA), the
+delays the others' streams by one chunk at a time. The prefilling run served first is the one
+whose prompt would be in first had each been served alone from its arrival (fair queuing's
+virtual finish: the loop's clock counts the prompt tokens it has prefilled, and a run's mark
+is that clock at its begin plus its tokens to prefill): prompts that arrive together go one
+after the other in arrival order, not chunk by chunk in turn (which would put every one of
+them in at the burst's end); a short prompt passes a long one begun earlier only when it
+would be done first; and the order is fixed at arrival, so no prompt waits for ever. Where the model replays graphs (CUDA), the
 next runs' chunks share the first one's step while they fit one chunk's size together
 (prefill_step, prefill_together).
 """

@@ -89,6 +89,10 @@ class Worker(Placement, Runs):
         c = self.model.cfg
         self.row_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.model.norm.element_size()
         self.guides = Guides(load_text(resolve(s.model, s.models_path())))
+        log.info("model loaded in %.2f s on %s, context %d: %s", load_s, self.model.device, self.n_ctx,
+                 explain(s, self.model))
+        log.info("resident sessions: at most %d in %.0f MiB of K/V (%d bytes a token); %d jobs at once",
+                 self.sessions.max_sessions, self.sessions.budget / 2**20, self.row_bytes, s.batch)
         if self.model.graphs is not None:      # CUDA: no capture on a request's path
             t0 = time.perf_counter()
             try:
@@ -99,10 +103,6 @@ class Worker(Placement, Runs):
             if self.model.graphs is not None:
                 log.info("CUDA graphs: %d captured ahead in %.1f s; K/V pools %.0f MiB (outside the K/V budget)",
                          made, time.perf_counter() - t0, self.model.graphs.nbytes / 2**20)
-        log.info("model loaded in %.2f s on %s, context %d: %s", load_s, self.model.device, self.n_ctx,
-                 explain(s, self.model))
-        log.info("resident sessions: at most %d in %.0f MiB of K/V (%d bytes a token); %d jobs at once",
-                 self.sessions.max_sessions, self.sessions.budget / 2**20, self.row_bytes, s.batch)
         ctx = zmq.Context.instance()
         self.pull = ctx.socket(zmq.PULL)
         self.pull.bind(address(s, INFERENCE_JOBS))
