@@ -105,16 +105,22 @@ def lru_victims(entries, budget_bytes: int, keep=frozenset()) -> list[str]:
     return out
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists (slice compares run in C)."""
+PREFIX_BLOCK = 256   # ids compared a slice at a time (in C) before the one that differs
+
+
+def common_prefix(a, b) -> int:
+    """Length of the common prefix of two sequences of token ids (a list against a tuple
+    too): block by block, each block's compare in C, then id by id in the block that
+    differs."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n        # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    same = type(a) is type(b)
+    i = 0
+    while i < n:
+        j = min(i + PREFIX_BLOCK, n)
+        x, y = a[i:j], b[i:j]
+        if not (x == y if same else tuple(x) == tuple(y)):
+            break
+        i = j
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import jinja2
+import numpy as np
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -29,6 +30,8 @@ _LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n
 # writes tokenizer.json's (?i:'s|...) as explicit case classes, which onig needs neither way
 _QWEN2_RE = _LLAMA3_RE.replace(r"|\p{N}{1,3}|", r"|\p{N}|")
 _QWEN2_LIKE = {"qwen2", "stablelm2", "hunyuan"}
+TEXT_CACHE_SIZE = 32     # piece_bytes results of tuples kept (a few per resident session)
+TEXT_CACHE_MIN = 1024    # ids in a tuple worth keeping its bytes for
 _DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _GPT2_LIKE = {"gpt2", "default", "olmo", "jais"}
 _LLAMA3_LIKE = {"llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"}
@@ -67,6 +70,11 @@ class TextModel:
     eos_id: int | None
     add_bos: bool
     stop_ids: set[int] = field(default_factory=set)
+    # piece_bytes of tuples of ids (the resident sessions' ids the renderer mirrors, asked
+    # for at every plan): id(tuple) -> (the tuple, its bytes). A tuple never changes, and the
+    # entry holds it, so its id is not reused while the entry lives.
+    _texts: dict = field(default_factory=dict, repr=False, compare=False)
+    _lengths: object = field(default=None, repr=False, compare=False)
 
     @property
     def vocab_size(self) -> int:
@@ -95,7 +103,23 @@ class TextModel:
         return self._byte_ids[b]
 
     def piece_bytes(self, ids) -> bytes:
-        return b"".join(self.pieces[i] for i in ids)
+        if not isinstance(ids, tuple):
+            return b"".join(map(self.pieces.__getitem__, ids))
+        hit = self._texts.get(id(ids))
+        if hit is not None and hit[0] is ids:
+            return hit[1]
+        out = b"".join(map(self.pieces.__getitem__, ids))
+        if len(ids) >= TEXT_CACHE_MIN:
+            self._texts[id(ids)] = (ids, out)
+            while len(self._texts) > TEXT_CACHE_SIZE:
+                self._texts.pop(next(iter(self._texts)))
+        return out
+
+    def byte_ends(self, ids) -> np.ndarray:
+        """The prompt's byte offset after each of ids (int64, cumulative piece lengths)."""
+        if self._lengths is None:
+            self._lengths = np.fromiter(map(len, self.pieces), dtype=np.int64, count=len(self.pieces))
+        return np.cumsum(self._lengths[np.asarray(ids, dtype=np.int64)])
 
     def bos_text(self) -> bytes:
         """What to put in front of a prompt so that BOS is part of its bytes, if the model wants one."""

@@ -71,14 +71,11 @@ class DiskIndex:
 
 def prefix_end_tokens(text_model, ids: list[int], prefix_bytes: int) -> int:
     """How many of ids cover exactly prefix_bytes of the prompt (0 if no token ends there)."""
-    total = 0
-    for i, t in enumerate(ids):
-        total += len(text_model.pieces[t])
-        if total == prefix_bytes:
-            return i + 1
-        if total > prefix_bytes:
-            return 0
-    return 0
+    if not ids:
+        return 0
+    ends = text_model.byte_ends(ids)
+    i = int(ends.searchsorted(prefix_bytes))        # the first token ending at or past it
+    return i + 1 if i < len(ends) and ends[i] == prefix_bytes else 0
 
 
 def save_plan(s, n_prompt: int, reused: int, prefix_end: int) -> tuple[m.SavePoint, ...]:

@@ -48,7 +48,7 @@ def best_session(text: TextModel, n_ctx: int, sessions: dict[int, m.LiveSession]
     cut to (one restored from a windowed checkpoint lacks the rows below it)."""
     best = (0, full, 0)
     for sid, ls in reversed(sessions.items()):          # most recent first
-        ids, reuse = plan_reuse(text, prompt, full, list(ls.tokens), min_tokens)
+        ids, reuse = plan_reuse(text, prompt, full, ls.tokens, min_tokens)
         if len(ids) >= n_ctx or 0 < reuse < ls.keep_from:   # the live-text split can tokenize longer
             continue
         if reuse > best[2] or (reuse and reuse == best[2] and sid == hint):
@@ -63,7 +63,7 @@ def plan_job(s, text: TextModel, n_ctx: int, index: DiskIndex, sessions: dict[in
     request's session_hint last ran in (0: none); busy: sessions a running job uses, which
     a new job may copy a prefix of but never continue in place."""
     sid, ids, reuse = best_session(text, n_ctx, sessions, prompt, full, s.kv_cache_min_tokens, hint)
-    live = list(sessions[sid].tokens) if sid else []
+    live = sessions[sid].tokens if sid else ()
     restore, suffix, notes = None, (), []
     sha = hashlib.sha1(prompt).hexdigest()
     if s.kv_disk_dir:

@@ -10,6 +10,7 @@ import json
 
 from common import messages as m
 from common.detok import Detokenizer
+from common.policy import common_prefix
 from procs.renderer import toolfmt, tools
 from common.tokenizer import TextModel
 
@@ -160,16 +161,12 @@ def plan_reuse(text: TextModel, prompt: bytes, full: list[int], live: list[int],
     if not live:
         return full, 0
     n = len(live)
-    if full[:n] == live:
+    k = common_prefix(full, live)
+    if k == n:
         return full, n
-    live_text = text.piece_bytes(live)
+    live_text = text.piece_bytes(live)      # a tuple's bytes are remembered (TextModel)
     if prompt.startswith(live_text):
-        return live + text.encode(prompt[len(live_text):]), n
-    k = 0
-    for a, b in zip(full, live):
-        if a != b:
-            break
-        k += 1
+        return list(live) + text.encode(prompt[len(live_text):]), n
     # the whole prompt inside the live session (a repeated request) is always worth keeping
     return full, (k if k >= min_tokens or k == len(full) else 0)
 

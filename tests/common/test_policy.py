@@ -100,3 +100,27 @@ def test_lru_keep():
     big = [("small", 10, 1, 1), ("huge", 500, 9, 9)]
     assert lru_victims(big, 100, set()) == ["huge"]
     assert lru_victims(big, 100, {"huge"}) == ["huge"]
+
+
+def test_common_prefix_equals_counting_id_by_id():
+    """Block by block (policy.PREFIX_BLOCK ids a compare): divergences before, at and after a
+    block's edge, one sequence inside the other, a list against a tuple."""
+    import random
+    from common.policy import PREFIX_BLOCK, common_prefix
+
+    def naive(a, b):
+        k = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            k += 1
+        return k
+    rnd = random.Random(7)
+    cuts = [0, 1, PREFIX_BLOCK - 1, PREFIX_BLOCK, PREFIX_BLOCK + 1, 3 * PREFIX_BLOCK + 5]
+    for cut in cuts:
+        for extra in (0, 1, PREFIX_BLOCK):
+            a = [rnd.randrange(100) for _ in range(cut + extra + 3)]
+            b = a[:cut] + [x + 1 for x in a[cut:]]
+            for x, y in ((a, b), (a, tuple(b)), (tuple(a), b), (a[:cut], a), (a, a[:cut + extra])):
+                assert common_prefix(x, y) == naive(x, y), (cut, extra)
+    assert common_prefix([], [1]) == 0 and common_prefix((1, 2), (1, 2)) == 2

@@ -162,3 +162,20 @@ def test_qwen2_pre_tokenizer_matches_tokenizer_json(tmp_path):
     # the merges make a wrong split visible: llama3's regex keeps "123" whole
     assert gguf_tokenizer("llama3").encode("123").ids == [tokens.index("123")]
     assert ours.encode("123").ids == [tokens.index(c) for c in "123"]
+
+
+def test_piece_bytes_of_a_tuple_is_remembered_and_bounded(text_model):
+    """The resident sessions' ids (tuples) are asked for their bytes at every plan: the same
+    tuple gives the same bytes object back; a list, or another tuple of the same ids, is
+    joined again; at most TEXT_CACHE_SIZE tuples are held."""
+    from common.tokenizer import TEXT_CACHE_MIN, TEXT_CACHE_SIZE
+    ids = tuple(text_model.encode("a resident session, " * 400))
+    assert len(ids) >= TEXT_CACHE_MIN
+    first = text_model.piece_bytes(ids)
+    assert text_model.piece_bytes(ids) is first
+    assert text_model.piece_bytes(list(ids)) == first and text_model.piece_bytes(list(ids)) is not first
+    assert text_model.piece_bytes(tuple(list(ids))) == first
+    many = [ids + (i,) for i in range(TEXT_CACHE_SIZE + 5)]
+    for t in many:
+        assert text_model.piece_bytes(t) == first + text_model.pieces[t[-1]]
+    assert len(text_model._texts) <= TEXT_CACHE_SIZE

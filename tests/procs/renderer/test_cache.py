@@ -139,3 +139,17 @@ def test_evict_needed():
     assert not evict_needed(s, index(entry(text, 100)), FakeText, live, 0)   # already on disk
     assert evict_needed(s, index(entry(text, 99)), FakeText, live, 0)        # not that state
     assert evict_needed(s, index(entry(text[:50], 50)), FakeText, live, 0)
+
+
+def test_prefix_end_tokens_finds_the_token_that_ends_at_the_prefix(text_model):
+    """Against counting piece by piece, at every byte of a prompt with multi-byte
+    characters: the tokens that cover exactly that many bytes, or 0 where none ends there."""
+    from procs.renderer.cache import prefix_end_tokens
+    ids = text_model.encode("Système: réponds brièvement. <|im_start|>user\nQuel temps fait-il à Zürich ?")
+    ends, total = {}, 0
+    for i, t in enumerate(ids):
+        total += len(text_model.pieces[t])
+        ends.setdefault(total, i + 1)
+    for n in range(total + 2):
+        assert prefix_end_tokens(text_model, ids, n) == ends.get(n, 0), n
+    assert prefix_end_tokens(text_model, [], 0) == 0
