@@ -1,5 +1,5 @@
-"""runs.Runs' prefill steps. The order in which prompts get their chunks (one run a step, as on
-the CPU). Runs.prefill_together, the inference loop's shared prefill step where the model
+"""runs.Runs' prefill steps: the order in which prompts get their chunks, and how many tokens a
+step between two decode rounds holds (without graphs, as on the CPU). Runs.prefill_together, the inference loop's shared prefill step where the model
 replays graphs (CUDA): every prefilling run advances by its next chunk in one step, reports
 its progress, and starts decoding once its prompt is in; a failure of the shared step fails
 each of its runs and nothing else. Here on the CPU with the graphs' steps run eagerly
