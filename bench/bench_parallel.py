@@ -66,11 +66,15 @@ def stages(text: str) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in STAGES if rows and all(k in r for r in rows)}
 
 
+def total(m: dict, name: str) -> float:
+    """A metric's samples summed over their labels (0 when absent: the CPU has no graphs)."""
+    return sum(v for (n, _), v in m.items() if n == name)
+
+
 def graph_counts(srv: Server) -> tuple[float, float]:
-    """CUDA graphs captured and sessions copied into the graphs' pools so far (0 on the CPU)."""
+    """CUDA graphs captured and sessions copied into the graphs' pools so far."""
     m = srv.metrics()
-    return (sum(v for (name, _), v in m.items() if name == "ricordo_cuda_graph_captures_total"),
-            sum(v for (name, _), v in m.items() if name == "ricordo_cuda_graph_pool_copies_total"))
+    return total(m, "ricordo_cuda_graph_captures_total"), total(m, "ricordo_cuda_graph_pool_copies_total")
 
 
 def decode_seconds(srv: Server) -> float:
@@ -202,8 +206,8 @@ def main(argv=None) -> int:
             peak.stop.set()
             info = srv.http().get("/health").json()
             after = srv.metrics()
-    device_peak = sum(v for (name, _), v in after.items() if name == "ricordo_device_memory_peak_bytes")
-    pools = sum(v for (name, _), v in after.items() if name == "ricordo_cuda_graph_pool_bytes")
+    device_peak = total(after, "ricordo_device_memory_peak_bytes")
+    pools = total(after, "ricordo_cuda_graph_pool_bytes")
     device = info.get("device", "cpu")
     if device.startswith("cuda"):     # the GPU, named beside the CPU that launches its work
         import torch

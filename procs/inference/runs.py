@@ -95,17 +95,16 @@ class Runs:
         makes the first prompt wait for the others (4 x 512 in one step: all four in late)."""
         prefilling.sort(key=lambda r: r.mark)     # stable: ties go in begin order
         first = prefilling[0]
-        room = first.sess.chunk
         if self.model.graphs is not None and len(prefilling) > 1:
-            runs, room = [first], room - len(self.next_chunk(first))
+            runs, left = [first], first.sess.chunk - len(self.next_chunk(first))
             for r in prefilling[1:]:
                 n = len(self.next_chunk(r))
-                if n <= room:
+                if n <= left:
                     runs.append(r)
-                    room -= n
+                    left -= n
             if len(runs) > 1 and self.prefill_together(runs, tick):
                 return
-            room = first.sess.chunk
+        room = first.sess.chunk
         for r in prefilling:
             while r.rid in self.active and r.logits is None:
                 n = len(self.next_chunk(r))
