@@ -1,7 +1,8 @@
 """Decode steps and prefills on CUDA: replayed graphs (--cuda-graphs, the default) against
 torch's ops launched one by one (--no-cuda-graphs), in one process and one run: decode of one
 sequence and four (kvsession.decode_many) at two contexts, medians of 40 steps after two
-warm-up steps; a turn's 16, 128 and 512 new tokens prefilled onto a 4,000-token session,
+warm-up steps, with graphs both ways of attention (the product and the fused kernel, as
+graphs.choose_attention times them at start, which this prints first); a turn's 16, 128 and 512 new tokens prefilled onto a 4,000-token session,
 and four such turns' 32, 128 or 256 tokens in one shared step (kvsession.prefill_many)
 against one by one (when each prompt is in, for the median time to first token), medians
 of 12.
@@ -44,21 +45,35 @@ for graphs in (True, False):
         made = model.graphs.warm(4, 512)
         print(f"graphs captured ahead: {made} in {time.perf_counter() - t0:.1f} s, pools "
               f"{model.graphs.nbytes / 2**20:.0f} MiB", flush=True)
-    for ctx in (500, 4000):
-        one = KVSession(model, 8192, 512); one.prefill((ids * 80)[:ctx])
-        four = []
-        for i in range(4):
-            s = KVSession(model, 8192, 512); s.prefill([i + 7] + (ids * 80)[:ctx]); four.append(s)
-        a = ms(lambda: decode_many([one], [42]))
-        b = ms(lambda: decode_many(four, [42] * 4))
-        print(f"graphs={graphs} ctx~{ctx}: 1 sequence {a:.2f} ms/step ({1000 / a:.0f} tok/s), "
-              f"4 sequences {b:.2f} ms/step ({4000 / b:.0f} tok/s, {a * 4 / b:.2f}x)", flush=True)
-    base = KVSession(model, 8192, 512); base.prefill((ids * 80)[:4000])
-    for n in (16, 128, 512):                   # a turn's new tokens onto a 4,000-token session
-        def turn():
-            base.prefill((ids * 6)[:n]); base.logits.cpu(); base.truncate(4000)
-        a = ms(turn, 12)
-        print(f"graphs={graphs} prefill {n} tokens at 4000: {a:.2f} ms ({n * 1000 / a:.0f} tok/s)", flush=True)
+        for kind, (shape, product, fused) in model.graphs.attention_ms.items():
+            print(f"{kind} attention at {shape} (B, T, keys): product {product:.2f} ms, fused "
+                  f"{'-' if fused is None else f'{fused:.2f} ms'}: {'fused' if model.graphs.fused[kind] else 'product'}"
+                  " chosen", flush=True)
+        chosen = dict(model.graphs.fused)
+    # with graphs, each step's attention both ways in turn (graphs.choose_attention picks one at start)
+    for fused in ((False, True) if graphs else (False,)):
+        label = f"graphs={graphs}" + (f" {'fused' if fused else 'product'}" if graphs else "")
+        if graphs:
+            model.graphs.fused = {"decode": fused, "prefill": fused}
+            model.graphs._forget()             # their steps captured anew (in ms()'s warm-ups)
+        for ctx in (500, 4000):
+            one = KVSession(model, 8192, 512); one.prefill((ids * 80)[:ctx])
+            four = []
+            for i in range(4):
+                s = KVSession(model, 8192, 512); s.prefill([i + 7] + (ids * 80)[:ctx]); four.append(s)
+            a = ms(lambda: decode_many([one], [42]))
+            b = ms(lambda: decode_many(four, [42] * 4))
+            print(f"{label} ctx~{ctx}: 1 sequence {a:.2f} ms/step ({1000 / a:.0f} tok/s), "
+                  f"4 sequences {b:.2f} ms/step ({4000 / b:.0f} tok/s, {a * 4 / b:.2f}x)", flush=True)
+        base = KVSession(model, 8192, 512); base.prefill((ids * 80)[:4000])
+        for n in (16, 128, 512):               # a turn's new tokens onto a 4,000-token session
+            def turn():
+                base.prefill((ids * 6)[:n]); base.logits.cpu(); base.truncate(4000)
+            a = ms(turn, 12)
+            print(f"{label} prefill {n} tokens at 4000: {a:.2f} ms ({n * 1000 / a:.0f} tok/s)", flush=True)
+    if graphs:
+        model.graphs.fused = chosen
+        model.graphs._forget()
     if graphs:          # four turns' new tokens: one shared step, or one by one (runs.prefill_step's choice)
         turns = [KVSession(model, 8192, 512) for _ in range(4)]
         for i, t in enumerate(turns):

@@ -52,7 +52,7 @@ from bench.bench_agent import conversation  # noqa: E402
 from bench.bench_model import cpu_name  # noqa: E402
 from bench.report import emit, log  # noqa: E402
 from common.config import Settings  # noqa: E402
-from tests.e2e.server import Server  # noqa: E402
+from tests.e2e.server import Server, value  # noqa: E402
 
 HIT = re.compile(r"KV cache: hit for sha1=")
 FIRST = re.compile(r"renderer first token \S+: (.*) ms$", re.M)
@@ -208,6 +208,7 @@ def main(argv=None) -> int:
             after = srv.metrics()
     device_peak = total(after, "ricordo_device_memory_peak_bytes")
     pools = total(after, "ricordo_cuda_graph_pool_bytes")
+    fused = {k: value(after, "ricordo_cuda_graph_fused_attention", kind=k) for k in ("decode", "prefill")}
     device = info.get("device", "cpu")
     if device.startswith("cuda"):     # the GPU, named beside the CPU that launches its work
         import torch
@@ -248,7 +249,8 @@ def main(argv=None) -> int:
                     ([] if not device.startswith("cuda") else
                      ["", f"device memory: peak {res['device_peak_mib']:.0f} MiB (the model, K/V budget "
                           f"{args.kv_ram_mb} MiB, and the graphs' K/V pools {res['graph_pools_mib']:.0f} MiB "
-                          "outside it)",
+                          "outside it); the graphs' attention: " + ", ".join(
+                              f"{k} {'fused' if v else 'product'}" for k, v in fused.items()),
                       "", f"during the later turns: CUDA graphs captured {alone['graph_captures']:.0f} and "
                           f"{many['graph_captures']:.0f}, sessions copied into the graphs' pools "
                           f"{alone['pool_copies']:.0f} and {many['pool_copies']:.0f} (1 conversation, {n} at once)"]))

@@ -75,6 +75,9 @@ class Metrics:
                                          "graphs' K/V pool (decode, prefill)", ["pool"])
         self.graph_pool_bytes = Gauge("ricordo_cuda_graph_pool_bytes", "bytes of the graphs' K/V pools (device "
                                       "memory outside --kv-ram-space-mb)", ["pool"], multiprocess_mode="livesum")
+        self.graph_fused = Gauge("ricordo_cuda_graph_fused_attention", "1 where a kind of graph step (decode, "
+                                 "prefill) attends with torch's fused kernel, 0 with the product",
+                                 ["kind"], multiprocess_mode="livesum")
         self.device_peak = Gauge("ricordo_device_memory_peak_bytes", "the most device (CUDA) memory torch has held "
                                  "at once in the inference process", multiprocess_mode="livesum")
         # persister

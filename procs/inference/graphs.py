@@ -32,7 +32,7 @@ import torch
 from common import metrics
 from procs.inference.linear import dense
 from procs.inference.pools import Pool
-from procs.inference.torch_attention import causal_mask
+from procs.inference.torch_attention import grouped_attention, grouped_mask, time_attention
 
 log = logging.getLogger("inference")
 
@@ -66,14 +66,14 @@ def buckets(limit: int, least: int) -> list[int]:
 
 @torch.inference_mode()
 def static_step(model, ids: torch.Tensor, pos: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                cap: int) -> torch.Tensor:
+                cap: int, fused: bool = False) -> torch.Tensor:
     """The model's layers with every shape fixed, as a CUDA graph needs: B sequences of T
     tokens each, ids [B*T] and pos [B, T] device tensors; sequence b's K/V is slot b of
     pool_k/pool_v [L, S, KV, C, D] (B <= S, max(pos) < cap <= C). K/V rows are written at
-    their positions by index; attention is one masked grouped-heads product over rows < cap
-    for all rows (SDPA with a mask and grouped heads falls back to its math path, which
-    copies K/V per query head). Every row there must be finite (see the module's
-    invariants). The caller fills the rotary tables up to max(pos) first. Returns the final
+    their positions by index; attention is over rows < cap for all rows under one mask, a K/V
+    head's query heads folded into its rows (torch_attention.grouped_attention: the product,
+    or with fused the memory-efficient kernel). Every row there must be finite (see the
+    module's invariants). The caller fills the rotary tables up to max(pos) first. Returns the final
     hidden rows [B*T, dim]."""
     c = model.cfg
     H, D = c.n_heads, c.head_dim
@@ -90,19 +90,16 @@ def static_step(model, ids: torch.Tensor, pos: torch.Tensor, pool_k: torch.Tenso
     at = ((torch.arange(B, device=dev).view(B, 1, 1) * KV + torch.arange(KV, device=dev).view(1, KV, 1)) * C
           + pos.unsqueeze(1)).reshape(-1)
     kpos = torch.arange(cap, device=dev)
-    masks = {}     # window -> float32 [B, 1, 1, T, cap]
+    masks = {}     # window -> its mask (torch_attention.grouped_mask)
 
     def attend(li: int, ly, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kl, vl = pool_k[li], pool_v[li]                                        # [S, KV, C, D]
         kl.view(-1, D).index_copy_(0, at, k.reshape(B, T, KV, D).transpose(1, 2).reshape(-1, D))
         vl.view(-1, D).index_copy_(0, at, v.reshape(B, T, KV, D).transpose(1, 2).reshape(-1, D))
         if ly.window not in masks:
-            masks[ly.window] = causal_mask(flat.unsqueeze(1), kpos, ly.window,
-                                           torch.float32).view(B, 1, 1, T, cap)
+            masks[ly.window] = grouped_mask(pos, kpos, ly.window, G, q.dtype, fused)
         qg = q.reshape(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, D)
-        s = torch.matmul(qg, kl[:B, :, :cap].transpose(-1, -2)).float() * model.scale   # [B, KV, G*T, cap]
-        p = torch.softmax(s.view(B, KV, G, T, cap) + masks[ly.window], dim=-1).to(vl.dtype)
-        o = torch.matmul(p.view(B, KV, G * T, cap), vl[:B, :, :cap])                     # [B, KV, G*T, D]
+        o = grouped_attention(qg, kl[:B, :, :cap], vl[:B, :, :cap], masks[ly.window], model.scale, fused)
         return o.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
     return model._blocks(x, ropes, lambda f, h: f(h), dense, attend)
 
@@ -124,6 +121,9 @@ class GraphDecoder:
         self.mempool = None                  # the graphs' memory, made at the first capture
         self.wanted: dict[tuple, None] = {}  # shared prefill steps to capture when idle
         self.captures = 0
+        # per kind of step: attention by torch's fused kernel, where choose_attention found it faster
+        self.fused = {"decode": False, "prefill": False}
+        self.attention_ms: dict[str, tuple] = {}   # kind -> (shape, product ms, fused ms or None)
 
     @staticmethod
     def takes(model) -> bool:
@@ -218,8 +218,15 @@ class GraphDecoder:
         ms) nor a pool's growth (which drops every graph of its kind). Shared prefill steps
         of several prompts are captured when first needed. The steps write rows into the
         slots (finite ones, from real activations); no slot holds a session after it.
-        Returns the graphs made (with capture=False, the steps run)."""
+        On CUDA, each kind's attention is chosen first (choose_attention). Returns the graphs
+        made (with capture=False, the steps run)."""
         m, c = self.model, self.model.cfg
+        if m.device.type == "cuda":
+            try:
+                self.choose_attention(batch, chunk)
+            except Exception as e:     # (out of memory): the product, as before
+                log.warning("graphs' attention not timed (%s): the product", e)
+                self.fused = {"decode": False, "prefill": False}
         caps = buckets(m.max_context, MIN_CAP)
         need = 2 * 2 * batch * caps[-1] * c.n_layers * c.n_kv_heads * c.head_dim * m.norm.element_size()
         if m.device.type == "cuda" and need > torch.cuda.mem_get_info(m.device)[0] // 4:
@@ -242,6 +249,34 @@ class GraphDecoder:
                     return made         # out of memory, or graphs turned off
                 made += 1
         return made
+
+    def choose_attention(self, batch: int, chunk: int) -> dict[str, bool]:
+        """For each kind of step, the faster of grouped_attention's two ways, timed at the
+        kind's largest graph: a decode step of `batch` sequences at the whole context, one
+        prompt's longest padded chunk at the largest capacity its graph takes. The product
+        writes f32 scores the size of rows x keys (at 512 x 8k, 150 MB a layer); the fused
+        kernel keeps them on chip but may not take the shape (Gemma's 256-wide heads) or may
+        lose on a few rows (decode). Returns self.fused."""
+        m, c = self.model, self.model.cfg
+        caps = buckets(m.max_context, MIN_CAP)
+        T = bucket(max(chunk, MIN_ROWS), max(chunk, MIN_ROWS), MIN_ROWS)
+        pcap = max((x for x in caps if T <= x and c.n_heads * T * x * 4 <= SCORES_MAX), default=0)
+        for kind, (B, T, S) in {"decode": (batch, 1, caps[-1]), "prefill": (1, T, pcap)}.items():
+            if not S:
+                continue
+            args = (B, c.n_kv_heads, c.n_heads // c.n_kv_heads, T, S, c.head_dim, m.dtype, m.device)
+            product = time_attention(False, *args)
+            try:
+                fused = time_attention(True, *args)
+            except RuntimeError as e:
+                log.info("graphs' %s attention: the fused kernel does not take %s (%s)", kind, args[:6], e)
+                fused = None
+            self.fused[kind] = fused is not None and fused < product
+            metrics.M.graph_fused.labels(kind).set(int(self.fused[kind]))
+            self.attention_ms[kind] = ((B, T, S), product, fused)
+            log.info("graphs' %s attention, %d x %d rows at %d keys: product %.2f ms, fused %s: %s", kind, B, T, S,
+                     product, "-" if fused is None else f"{fused:.2f} ms", "fused" if self.fused[kind] else "product")
+        return self.fused
 
     def capture_wanted(self) -> bool:
         """Capture one shared prefill step that was wanted (the loop calls it while no job
@@ -303,6 +338,12 @@ class GraphDecoder:
                 self._forget()
                 return None
             except RuntimeError as e:   # an op that cannot be captured: torch's eager ops from now on
+                if self.fused[key[0]]:      # (the fused kernel first: the product captures)
+                    log.warning("capture with fused attention failed (%s); the %s steps' product instead",
+                                e, key[0])
+                    self.fused[key[0]] = False
+                    metrics.M.graph_fused.labels(key[0]).set(0)
+                    return self._run(key, host, shape, cap, pool, head)
                 log.warning("CUDA graphs off: capture failed (%s); steps launch op by op", e)
                 self.model.graphs = None
                 return None
@@ -317,7 +358,7 @@ class GraphDecoder:
         return g.out.clone()
 
     def _step(self, io: torch.Tensor, shape: tuple[int, int], cap: int, pool: Pool, head: bool) -> torch.Tensor:
-        x = static_step(self.model, io[0], io[1].view(shape), pool.k, pool.v, cap)
+        x = static_step(self.model, io[0], io[1].view(shape), pool.k, pool.v, cap, self.fused[pool.name])
         return self.model._head(x, None, 0) if head else x
 
     def capture(self, host: torch.Tensor, shape: tuple[int, int], cap: int, pool: Pool, head: bool) -> _Graph:

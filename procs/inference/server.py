@@ -184,7 +184,10 @@ class Worker(Placement, Runs):
         decode round; idle, one graph that a step wanted captured."""
         self.admit()
         if not self.active and self.model.graphs is not None and self.model.graphs.wanted:
-            self.model.graphs.capture_wanted()
+            try:
+                self.model.graphs.capture_wanted()
+            except Exception as e:     # a failed capture costs only the shared step it wanted
+                self.log.warning("idle capture of a shared prefill step failed: %s", e, exc_info=e)
             return tick
         for run in [r for r in self.active.values() if r.rid in self.cancelled]:
             self.guarded(self.end, run, "cancelled")

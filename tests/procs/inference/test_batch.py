@@ -161,10 +161,12 @@ def test_the_pool_rows_must_be_finite(model_path):
     assert static_step(m, torch.tensor([5]), pos, pool.k, pool.v, 512).isnan().all()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["product", "fused"])
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
-def test_the_pooled_prefill_equals_the_forward(name):
+def test_the_pooled_prefill_equals_the_forward(name, fused):
     """graphs.GraphDecoder.prefill (a chunk padded to a bucket in the prefill pool's slot, one
-    masked attention over the attended capacity), run eagerly here: the logits asked for and
+    masked attention over the attended capacity: the product, or torch's fused kernel with
+    the query heads folded into rows), run eagerly here: the logits asked for and
     the rows written equal Llama.forward's within rounding, a prompt in several chunks, a
     single token, a turn that starts mid-chunk, Gemma past its window; the padding's rows
     never reach the session; the slot is copied into only when it does not hold the session."""
@@ -174,6 +176,7 @@ def test_the_pooled_prefill_equals_the_forward(name):
     from procs.inference.loader import load
     m = Llama(load(resolve(name, Settings().models_path()), torch.float32, "cpu"), 2048, packed=False)
     gd = GraphDecoder(m, capture=False)
+    gd.fused["prefill"] = fused
     ids = [1 + (j * 13) % 3000 for j in range(700)]
     ref, got = KVSession(m, 2048, 256), KVSession(m, 2048, 256)
     for part, at in ((ids[:600], (100, 256, 600)), (ids[600:601], ()), (ids[601:700], (650,))):
@@ -195,11 +198,12 @@ def test_the_pooled_prefill_equals_the_forward(name):
     assert pool.k[:, 0, :, len(got):len(got) + 5].abs().amax() > 0   # the last chunk's padding, in the pool only
 
 
-def test_chunks_of_several_prompts_in_one_pooled_prefill(model_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["product", "fused"])
+def test_chunks_of_several_prompts_in_one_pooled_prefill(model_path, fused):
     """kvsession.prefill_many (several sessions' next chunks in one step of the prefill pool,
-    padded to one bucket), run eagerly here: each session's logits and rows are those of its
-    own prefill within rounding, whatever the order of their slots; a chunk that crosses a
-    chunk boundary is refused; without graphs it does nothing (None)."""
+    padded to one bucket, each with its own mask), run eagerly here: each session's logits
+    and rows are those of its own prefill within rounding, whatever the order of their slots;
+    a chunk that crosses a chunk boundary is refused; without graphs it does nothing (None)."""
     from procs.inference.graphs import GraphDecoder
     from procs.inference.kvsession import prefill_many
     from procs.inference.loader import load
@@ -209,6 +213,7 @@ def test_chunks_of_several_prompts_in_one_pooled_prefill(model_path):
     got = [KVSession(m, 2048, 256) for _ in ps]
     assert prefill_many(got, [p[:10] for p in ps], [(), (), ()]) is None and all(len(s) == 0 for s in got)
     m.graphs = GraphDecoder(m, capture=False)
+    m.graphs.fused["prefill"] = fused
     for rnd in range(3):
         idx = [2, 0, 1] if rnd == 1 else [0, 1, 2]         # the slots reordered in the second round
         chunks, ats = [], []
@@ -257,3 +262,80 @@ def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
     monkeypatch.setattr(m.graphs, "capture", unsupported)
     got = decode_many(sessions(m, ps), toks)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and m.graphs is None
+
+
+def test_a_capture_the_fused_attention_fails_falls_back_to_the_product(model_path, monkeypatch):
+    """A capture that fails with the fused kernel (an op the graph cannot hold) is made again
+    with the product, that kind of step keeps the product, and graphs stay on; the decode
+    steps of several sequences, each with its own mask, then give the eager ops' answer
+    within rounding, fused or not (the CPU's fused kernel here: torch's flash with a mask)."""
+    from procs.inference.graphs import GraphDecoder
+    from procs.inference.loader import load
+    m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    ps = prompts(3)
+    toks = [5, 6, 7]
+    want = decode_many(sessions(m, ps), toks)
+    ss = sessions(m, ps)
+    gd = m.graphs = GraphDecoder(m)
+    gd.fused["decode"] = True
+    tried = []
+
+    def capture(host, shape, cap, pool, head):
+        tried.append(gd.fused[pool.name])
+        if gd.fused[pool.name]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return GraphDecoder.capture(gd, host, shape, cap, pool, head)
+    monkeypatch.setattr(gd, "capture", capture)
+    monkeypatch.setattr(GraphDecoder, "capture", lambda self, host, shape, cap, pool, head: _EagerGraph(
+        self, host, shape, cap, pool, head))
+    got = decode_many(ss, toks)
+    assert tried == [True, False] and gd.fused == {"decode": False, "prefill": False} and m.graphs is gd
+    for a, b in zip(got, want):
+        assert int(a.argmax()) == int(b.argmax()) and (a - b).abs().max().item() <= 1e-3 * a.abs().max().item()
+    ss = sessions(m, ps)
+    m.graphs = GraphDecoder(m, capture=False)
+    m.graphs.fused["decode"] = True
+    got = decode_many(ss, toks)
+    for a, b in zip(got, want):
+        assert int(a.argmax()) == int(b.argmax()) and (a - b).abs().max().item() <= 1e-3 * a.abs().max().item()
+
+
+def _EagerGraph(gd, host, shape, cap, pool, head):
+    """A "graph" made on the CPU: its replay runs the step eagerly on its captured inputs."""
+    import types
+    from procs.inference import graphs as graphs_mod
+    io = host.to(gd.model.device)
+    out = gd._step(io, shape, cap, pool, head)
+
+    def replay():
+        with torch.inference_mode():
+            out.copy_(gd._step(io, shape, cap, pool, head))
+    return graphs_mod._Graph(io, types.SimpleNamespace(replay=replay), out)
+
+
+def test_the_attention_of_each_kind_of_step_is_timed_and_the_faster_kept(model_path):
+    """GraphDecoder.choose_attention (warm's first step on CUDA): each kind timed at its
+    largest graph's shape, both ways, and the faster kept; a fused kernel that refuses the
+    shape leaves the product."""
+    from procs.inference import graphs as graphs_mod
+    from procs.inference.graphs import GraphDecoder
+    from procs.inference.loader import load
+    m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    gd = GraphDecoder(m, capture=False)
+    got = gd.choose_attention(2, 256)
+    assert set(gd.attention_ms) == {"decode", "prefill"}
+    assert gd.attention_ms["decode"][0] == (2, 1, 2048) and gd.attention_ms["prefill"][0] == (1, 256, 2048)
+    for kind, (shape, product, fused) in gd.attention_ms.items():
+        assert product > 0 and fused > 0 and got[kind] == (fused < product)
+    real = graphs_mod.time_attention
+
+    def refuse(fused, *args):
+        if fused:
+            raise RuntimeError("No available kernel")
+        return real(fused, *args)
+    graphs_mod.time_attention = refuse
+    try:
+        assert gd.choose_attention(2, 256) == {"decode": False, "prefill": False}
+        assert all(f is None for _, _, f in gd.attention_ms.values())
+    finally:
+        graphs_mod.time_attention = real
