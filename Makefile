@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test stress bench bench-avx2 cuda-check model install agents clean
+.PHONY: serve test stress bench bench-avx2 cuda-check cuda-bundle model install agents clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,11 @@ cuda-check: model
 	$(BIN)/python bench/bench_parallel.py
 	$(BIN)/python bench/bench_parallel.py --tool-ms 300
 	RICORDO_CUDA_GRAPHS=0 $(BIN)/python bench/bench_parallel.py
+
+# what the workplace's device machine lacks for bench/cuda_round.sh (wheels, the model in two
+# parts), in the git-ignored .gpu1/ and .gpu2/; bench/cuda_bundle.sh says how to run it there
+cuda-bundle: model
+	bash bench/cuda_bundle.sh
 
 # Codex CLI and Claude Code in agents/node_modules (npm, not global); tests/e2e/test_real_agents.py runs them
 agents:

@@ -43,7 +43,9 @@ MAX_GRAPHS = 128
 SPARE_GRAPHS = 32
 MIN_CAP = 512           # the smallest attended capacity; buckets double from it
 MIN_ROWS = 16           # the smallest padded prefill; buckets double from it
-SCORES_MAX = 256 << 20  # a prefill graph's f32 scores of one layer at most this; longer chunks run eagerly
+# a prefill graph's largest tensor of one layer's attention at most this (the product's f32
+# scores, the fused kernel's mask); longer chunks at that capacity run eagerly
+SCORES_MAX = 256 << 20
 
 
 def bucket(n: int, limit: int, least: int = MIN_CAP) -> int:
@@ -183,7 +185,7 @@ class GraphDecoder:
         los = [len(s) for s in sessions]
         Tb = bucket(max(len(c) for c in chunks), max(s.chunk for s in sessions), MIN_ROWS)
         cap = bucket(max(los) + Tb, m.max_context)
-        if max(los) + Tb > m.max_context or B * m.cfg.n_heads * Tb * cap * 4 > SCORES_MAX:
+        if max(los) + Tb > m.max_context or not self.fits_scores(B, Tb, cap):
             return None
         key = ("prefill", B, Tb, cap)
         if B > 1 and self.capture_graphs and key not in self.graphs:
@@ -240,7 +242,7 @@ class GraphDecoder:
         for cap in caps:
             steps = [("decode", B, 1) for B in range(1, batch + 1)]
             steps += [("prefill", 1, T) for T in buckets(max(chunk, MIN_ROWS), MIN_ROWS)
-                      if T <= cap and c.n_heads * T * cap * 4 <= SCORES_MAX]
+                      if T <= cap and self.fits_scores(1, T, cap)]
             if made + len(steps) > room:
                 break
             for kind, B, T in steps:
@@ -250,17 +252,26 @@ class GraphDecoder:
                 made += 1
         return made
 
+    def fits_scores(self, B: int, T: int, cap: int, fused: bool | None = None) -> bool:
+        """Whether a prefill step's attention (fused: as chosen) keeps its largest tensor of a
+        layer within SCORES_MAX: the product's f32 scores [B, H, T, cap], or the fused
+        kernel's mask [B, G*T, cap] in the compute dtype (an H/KV-th of it, halved)."""
+        c = self.model.cfg
+        if self.fused["prefill"] if fused is None else fused:
+            return B * (c.n_heads // c.n_kv_heads) * T * cap * self.model.norm.element_size() <= SCORES_MAX
+        return B * c.n_heads * T * cap * 4 <= SCORES_MAX
+
     def choose_attention(self, batch: int, chunk: int) -> dict[str, bool]:
         """For each kind of step, the faster of grouped_attention's two ways, timed at the
         kind's largest graph: a decode step of `batch` sequences at the whole context, one
         prompt's longest padded chunk at the largest capacity its graph takes. The product
         writes f32 scores the size of rows x keys (at 512 x 8k, 150 MB a layer); the fused
-        kernel keeps them on chip but may not take the shape (Gemma's 256-wide heads) or may
+        kernel keeps them on chip but may not take the shape (a head width it lacks) or may
         lose on a few rows (decode). Returns self.fused."""
         m, c = self.model, self.model.cfg
         caps = buckets(m.max_context, MIN_CAP)
         T = bucket(max(chunk, MIN_ROWS), max(chunk, MIN_ROWS), MIN_ROWS)
-        pcap = max((x for x in caps if T <= x and c.n_heads * T * x * 4 <= SCORES_MAX), default=0)
+        pcap = max((x for x in caps if T <= x and self.fits_scores(1, T, x, fused=False)), default=0)
         for kind, (B, T, S) in {"decode": (batch, 1, caps[-1]), "prefill": (1, T, pcap)}.items():
             if not S:
                 continue

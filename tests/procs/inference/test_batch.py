@@ -339,3 +339,19 @@ def test_the_attention_of_each_kind_of_step_is_timed_and_the_faster_kept(model_p
         assert all(f is None for _, _, f in gd.attention_ms.values())
     finally:
         graphs_mod.time_attention = real
+
+
+def test_a_fused_prefill_takes_longer_chunks_into_graphs(model_path):
+    """The product writes f32 scores for every query head (SCORES_MAX bounds them); the fused
+    kernel writes only its mask, one row per query head of a K/V head's group: a 512-token
+    chunk at 16k keys is eager with the product and a graph's step when fused."""
+    from procs.inference.graphs import SCORES_MAX, GraphDecoder
+    from procs.inference.loader import load
+    m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    gd = GraphDecoder(m, capture=False)
+    c = m.cfg
+    assert c.n_heads * 512 * 16384 * 4 > SCORES_MAX >= (c.n_heads // c.n_kv_heads) * 512 * 16384 * 4
+    assert not gd.fits_scores(1, 512, 16384)
+    gd.fused["prefill"] = True
+    assert gd.fits_scores(1, 512, 16384) and not gd.fits_scores(1, 512, 16384, fused=False)
+    assert not gd.fits_scores(64, 512, 16384)

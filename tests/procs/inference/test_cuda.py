@@ -153,6 +153,8 @@ def test_warmed_graphs_leave_no_capture_to_a_request(gpu, vectors):
         gpu.graphs = graphs
         made = graphs.warm(3, 128)
         assert made == graphs.captures == len(graphs.graphs) > 0
+        assert set(graphs.attention_ms) == {"decode", "prefill"}     # timed both ways first
+        print("attention chosen at start:", graphs.fused, graphs.attention_ms)
         storage = [p.k.data_ptr() for p in graphs.pools.values()]
         a = _sessions(gpu, vectors, 3, cap=4096)
         for _ in range(5):
@@ -163,19 +165,35 @@ def test_warmed_graphs_leave_no_capture_to_a_request(gpu, vectors):
         gpu.graphs = kept
 
 
-def test_prefill_graphs_match_eager_ops(gpu, eager, vectors):
+@pytest.mark.parametrize("fused", [False, True], ids=["product", "fused"])
+def test_prefill_graphs_match_eager_ops(gpu, eager, vectors, fused):
     """A prompt prefilled through the prefill graphs (chunks padded to buckets, one of a
-    single token) gives torch's eager ops' logits and rows within bf16 rounding."""
-    ids = vectors["cases"][0]["token_ids"] + [1 + (j * 13) % 3000 for j in range(700)]
-    ids = ids[:700]
-    a, b = KVSession(gpu, 2048, 256), KVSession(eager, 2048, 256)
-    for part in (ids[:600], ids[600:601], ids[601:]):
-        la, lb = a.prefill(part, logits_at=(len(a) + 1,)), b.prefill(part, logits_at=(len(b) + 1,))
-        for x, y in [(a.logits, b.logits)] + [(la[n], lb[n]) for n in lb]:
-            assert (x - y).abs().max().item() <= 2.0 and int(torch.argmax(x)) == int(torch.argmax(y))
-    ka, kb = a.k[:, :, :700].float(), b.k[:, :, :700].float()
-    assert (ka - kb).abs().max().item() <= 0.05 * kb.abs().max().item()
-    assert any(k[0] == "prefill" for k in gpu.graphs.graphs)
+    single token) gives torch's eager ops' logits and rows within bf16 rounding, with the
+    attention's product and with the fused kernel (captured, not fallen back from); then
+    decode steps of three sequences likewise."""
+    kept = gpu.graphs
+    graphs = GraphDecoder(gpu)
+    graphs.fused = {"decode": fused, "prefill": fused}
+    try:
+        gpu.graphs = graphs
+        ids = vectors["cases"][0]["token_ids"] + [1 + (j * 13) % 3000 for j in range(700)]
+        ids = ids[:700]
+        a, b = KVSession(gpu, 2048, 256), KVSession(eager, 2048, 256)
+        for part in (ids[:600], ids[600:601], ids[601:]):
+            la, lb = a.prefill(part, logits_at=(len(a) + 1,)), b.prefill(part, logits_at=(len(b) + 1,))
+            for x, y in [(a.logits, b.logits)] + [(la[n], lb[n]) for n in lb]:
+                assert (x - y).abs().max().item() <= 2.0 and int(torch.argmax(x)) == int(torch.argmax(y))
+        ka, kb = a.k[:, :, :700].float(), b.k[:, :, :700].float()
+        assert (ka - kb).abs().max().item() <= 0.05 * kb.abs().max().item()
+        assert any(k[0] == "prefill" for k in graphs.graphs)
+        x, y = _sessions(gpu, vectors, 3, cap=1024), _sessions(eager, vectors, 3, cap=1024)
+        for _ in range(3):
+            toks = [int(torch.argmax(s.logits)) for s in y]
+            for p, q in zip(decode_many(x, toks), decode_many(y, toks)):
+                assert (p - q).abs().max().item() <= 2.0
+        assert graphs.fused == {"decode": fused, "prefill": fused} and gpu.graphs is graphs
+    finally:
+        gpu.graphs = kept
 
 
 def test_a_restored_windowed_session_reads_zeros_below_its_floors():
