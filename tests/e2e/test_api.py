@@ -254,6 +254,33 @@ def test_parallel_conversations_get_their_own_answers(server):
         assert results[t][:2] == alone[t], t
 
 
+def test_the_inference_process_allocates_on_huge_pages(server):
+    """`ricordo` turns torch's transparent huge pages on (THP_MEM_ALLOC_ENABLE=1, set before
+    torch loads): the inference process's weights and K/V sessions sit on 2 MB pages, so
+    copying a checkpoint or another session's prefix into fresh rows faults 512x fewer pages
+    (bench/bench_pages.py). Where the kernel puts every mapping on huge pages ('always') this
+    holds without it; where it allows none ('never') there is nothing to see."""
+    import os
+    from pathlib import Path
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" in mode or os.environ.get("THP_MEM_ALLOC_ENABLE", "1") != "1":
+        pytest.skip(f"huge pages off here ({mode.strip()}; THP_MEM_ALLOC_ENABLE="
+                    f"{os.environ.get('THP_MEM_ALLOC_ENABLE')})")
+    inference = max((p for p in server.processes() if "inference" in " ".join(p.cmdline())),
+                    key=lambda p: p.memory_info().rss)      # not honcho's shell around it
+
+    def huge_kb() -> int:
+        rollup = Path(f"/proc/{inference.pid}/smaps_rollup").read_text()
+        return int(re.search(r"AnonHugePages:\s+(\d+) kB", rollup).group(1))
+    before = huge_kb()
+    c = server.client()
+    story = " ".join(f"Line {i}: the {i}th crate holds {i * 7} apples." for i in range(150))
+    c.chat.completions.create(model=server.health["model"], max_tokens=4, temperature=0,
+                              messages=[{"role": "user", "content": story + " Which crate holds 70?"}])
+    # the new session's rows: 30 layers x 3 heads x >= 2,048 rows x 64 x 2 bytes, twice
+    assert huge_kb() >= before + (16 << 10), (before, huge_kb())
+
+
 def test_client_disconnect_stops_generation(server):
     with server.http() as c:
         body = {"model": server.health["model"], "prompt": COUNTING, "max_tokens": 4000,
