@@ -264,32 +264,33 @@ def test_a_failed_capture_falls_back_to_eager_ops(model_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and m.graphs is None
 
 
-def test_a_capture_the_fused_attention_fails_falls_back_to_the_product(model_path, monkeypatch):
+def test_a_capture_the_fused_attention_fails_falls_back_to_the_product(model_path):
     """A capture that fails with the fused kernel (an op the graph cannot hold) is made again
     with the product, that kind of step keeps the product, and graphs stay on; the decode
     steps of several sequences, each with its own mask, then give the eager ops' answer
     within rounding, fused or not (the CPU's fused kernel here: torch's flash with a mask)."""
     from procs.inference.graphs import GraphDecoder
     from procs.inference.loader import load
+    from tests.procs.inference.test_runs import EagerGraphs
+
+    class FusedFails(EagerGraphs):
+        tried: list = []
+
+        def capture(self, host, shape, cap, pool, head):
+            self.tried.append(self.fused[pool.name])
+            if self.fused[pool.name]:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().capture(host, shape, cap, pool, head)
+
     m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
     ps = prompts(3)
     toks = [5, 6, 7]
     want = decode_many(sessions(m, ps), toks)
     ss = sessions(m, ps)
-    gd = m.graphs = GraphDecoder(m)
+    gd = m.graphs = FusedFails(m)
     gd.fused["decode"] = True
-    tried = []
-
-    def capture(host, shape, cap, pool, head):
-        tried.append(gd.fused[pool.name])
-        if gd.fused[pool.name]:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        return GraphDecoder.capture(gd, host, shape, cap, pool, head)
-    monkeypatch.setattr(gd, "capture", capture)
-    monkeypatch.setattr(GraphDecoder, "capture", lambda self, host, shape, cap, pool, head: _EagerGraph(
-        self, host, shape, cap, pool, head))
     got = decode_many(ss, toks)
-    assert tried == [True, False] and gd.fused == {"decode": False, "prefill": False} and m.graphs is gd
+    assert gd.tried == [True, False] and gd.fused == {"decode": False, "prefill": False} and m.graphs is gd
     for a, b in zip(got, want):
         assert int(a.argmax()) == int(b.argmax()) and (a - b).abs().max().item() <= 1e-3 * a.abs().max().item()
     ss = sessions(m, ps)
@@ -298,19 +299,6 @@ def test_a_capture_the_fused_attention_fails_falls_back_to_the_product(model_pat
     got = decode_many(ss, toks)
     for a, b in zip(got, want):
         assert int(a.argmax()) == int(b.argmax()) and (a - b).abs().max().item() <= 1e-3 * a.abs().max().item()
-
-
-def _EagerGraph(gd, host, shape, cap, pool, head):
-    """A "graph" made on the CPU: its replay runs the step eagerly on its captured inputs."""
-    import types
-    from procs.inference import graphs as graphs_mod
-    io = host.to(gd.model.device)
-    out = gd._step(io, shape, cap, pool, head)
-
-    def replay():
-        with torch.inference_mode():
-            out.copy_(gd._step(io, shape, cap, pool, head))
-    return graphs_mod._Graph(io, types.SimpleNamespace(replay=replay), out)
 
 
 def test_the_attention_of_each_kind_of_step_is_timed_and_the_faster_kept(model_path):
