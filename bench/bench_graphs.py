@@ -1,8 +1,9 @@
 """Decode steps and prefills on CUDA: replayed graphs (--cuda-graphs, the default) against
 torch's ops launched one by one (--no-cuda-graphs), in one process and one run: decode of one
 sequence and four (kvsession.decode_many) at two contexts, medians of 40 steps after two
-warm-up steps, with graphs both ways of attention (the product and the fused kernel, as
-graphs.choose_attention times them at start, which this prints first); a turn's 16, 128 and 512 new tokens prefilled onto a 4,000-token session,
+warm-up steps, and a turn's 16, 128 and 512 new tokens prefilled onto a 4,000-token session
+(with graphs, both ways of attention: the product and the fused kernel, as
+graphs.choose_attention times them at start, which this prints first);
 and four such turns' 32, 128 or 256 tokens in one shared step (kvsession.prefill_many)
 against one by one (when each prompt is in, for the median time to first token), medians
 of 12.
