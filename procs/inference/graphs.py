@@ -279,7 +279,7 @@ class GraphDecoder:
             product = time_attention(False, *args)
             try:
                 fused = time_attention(True, *args)
-            except RuntimeError as e:
+            except Exception as e:     # "No available kernel" (RuntimeError), or anything it raises
                 log.info("graphs' %s attention: the fused kernel does not take %s (%s)", kind, args[:6], e)
                 fused = None
             self.fused[kind] = fused is not None and fused < product
