@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One round of CUDA checks on a device machine (bench/cuda_bundle.sh says how it gets there).
-#   bash bench/cuda_round.sh setup    a venv over the image's torch, the carried wheels, this
-#                                     repo on its path, the model's first part kept in /tmp/m
+#   bash bench/cuda_round.sh setup    .venv/bin wrappers around the image's python3 (its torch),
+#                                     the carried wheels and this repo on their path, the
+#                                     model's first part kept in /tmp/m
 #   BUDGET_S=540 bash bench/cuda_round.sh
 #                                     the model joined, then the CUDA tests, bench_graphs and
 #                                     bench_parallel (back to back, then apart), each step given
@@ -12,14 +13,23 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ "${1:-}" = setup ]; then
     mkdir -p /tmp/m && cp .gpu1/part1 /tmp/m/part1
-    python3 -m venv --system-site-packages .venv
-    .venv/bin/pip install -q --no-index --no-deps --no-compile .gpu1/whl/*.whl
-    # this repo on the venv's path and its console script, as `pip install -e .` would make
-    # them (that needs setuptools' wheel builder, which a bare venv may lack offline)
-    echo "$PWD" > "$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/ricordo-repo.pth"
-    printf '#!%s\nimport sys\nfrom procs.cli import main\nsys.exit(main())\n' "$PWD/.venv/bin/python" > .venv/bin/ricordo
-    chmod +x .venv/bin/ricordo
-    .venv/bin/python -c "import torch, zmq, msgspec, falcon, llguidance, openai; print(torch.__version__, torch.cuda.get_device_name())"
+    # the image's python3 is itself a venv (its torch is in that venv's site-packages): a venv
+    # made from it would not see torch. So .venv/bin holds wrappers around that interpreter,
+    # with the carried wheels (installed into /tmp/site) and this repo on the path, where the
+    # Makefile and the tests look for python, honcho, gunicorn and ricordo.
+    PY=$(python3 -c 'import sys; print(sys.executable)')
+    rm -rf /tmp/site .venv && mkdir -p /tmp/site .venv/bin
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu1/whl/*.whl
+    path="/tmp/site:$PWD"
+    printf '#!/bin/sh\nPYTHONPATH=%s${PYTHONPATH:+:$PYTHONPATH} exec %s "$@"\n' "$path" "$PY" > .venv/bin/python
+    cp .venv/bin/python .venv/bin/python3
+    for tool in "honcho honcho.command main" "gunicorn gunicorn.app.wsgiapp run" "ricordo procs.cli main"; do
+        set -- $tool
+        printf '#!%s\nimport sys\nsys.path[:0] = "%s".split(":")\nfrom %s import %s\nsys.exit(%s())\n' \
+            "$PY" "$path" "$2" "$3" "$3" > ".venv/bin/$1"
+    done
+    chmod +x .venv/bin/*
+    .venv/bin/python -c "import torch, zmq, msgspec, falcon, llguidance, openai, procs; print(torch.__version__, torch.cuda.get_device_name())"
     exit
 fi
 models=$(.venv/bin/python -c "from common.config import Settings; print(Settings().models_path())")
