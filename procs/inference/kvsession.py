@@ -81,7 +81,7 @@ class KVSession:
             old = getattr(self, name)
             # empty, not zeros: rows past the length are never read (a windowed layer's rows
             # below its floor neither), so on the CPU their pages stay untouched and cost no
-            # memory until written. Zeroed in exact mode, whose attention reads whole padded
+            # memory until written (on huge pages, procs/cli.py, in 2 MB units). Zeroed in exact mode, whose attention reads whole padded
             # chunks, masked: garbage there could be NaN or inf (0 x NaN). (A CUDA graph's
             # step reads its own pool, whose rows graphs.py keeps finite.)
             new = torch.empty(old.shape[:2] + (cap, old.shape[3]), dtype=old.dtype, device=old.device)
