@@ -1,20 +1,19 @@
-"""Transparent huge pages for torch's CPU allocations (THP_MEM_ALLOC_ENABLE=1, which `ricordo`
-sets unless the environment says otherwise) against 4 KB pages, in the same run: the same
-child process started with the variable at 0 and at 1 in turn (torch reads it once, at its
-first allocation), each timing, on the real model's K/V shapes:
+"""A K/V session filled whole on transparent huge pages (KVSession(huge_pages=True), the
+server's default: procs/inference/pages.py) against 4 KB pages, in the same run: the same
+child process started with one and the other in turn (fresh processes, so that no freed and
+already faulted memory is reused), each timing, on the real model's K/V shapes:
 
   fork     a new session made from another's first n tokens (KVSession.copy_prefix: a side
            request beside a resident conversation)
   restore  a session filled from a checkpoint's rows (KVSession.import_, the copy
            Disk.restore makes from the file's pages)
-  decode   one decode step at n tokens of context (the weights and the K/V read)
+  decode   one decode step of that restored session at n tokens of context
 
 medians of --reps in each child, children alternated --rounds times; the figures are the
 medians over the rounds, and the ratio 4 KB / huge (above 1: huge pages faster); then each
-child's RSS at its end (a 2 MB page is whole once touched: a session's rows past its length
-may count).
+child's RSS at its end.
 
-    python bench/bench_pages.py [--model gemma3-270m --tokens 22000]
+    python bench/bench_pages.py [--model gemma3-270m --tokens 22000] [--dtype f32]
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ def child(a) -> dict:
     s = Settings(model=resolve(a.model, Settings().models_path()), device="cpu", ctx_size=a.tokens + 512,
                  dtype=a.dtype)
     model, n_ctx, _ = build(s)
-    n = a.tokens
+    n, huge = a.tokens, bool(a.huge)
     src = KVSession(model, n_ctx, s.chunk_size)
     src.reserve(n)
     src.k[:, :, :n].normal_()
@@ -49,23 +48,24 @@ def child(a) -> dict:
     src.logits = torch.zeros(model.cfg.vocab_size)
     tokens, k, v = src.export(n)
     out = {"fork": [], "restore": [], "decode": []}
-    for _ in range(a.reps):
-        dst = KVSession(model, n_ctx, s.chunk_size)
+    for i in range(a.reps):
+        dst = KVSession(model, n_ctx, s.chunk_size, huge_pages=huge)
         t = time.perf_counter()
         dst.copy_prefix(src, n)
         out["fork"].append(time.perf_counter() - t)
         del dst
-        dst = KVSession(model, n_ctx, s.chunk_size)
+        dst = KVSession(model, n_ctx, s.chunk_size, huge_pages=huge)
         t = time.perf_counter()
         dst.import_(tokens, src.logits, k, v)
         out["restore"].append(time.perf_counter() - t)
-        del dst
-    for i in range(a.reps + 2):
+        if i < a.reps - 1:
+            del dst
+    for i in range(a.reps + 2):            # the restored session's next tokens
         t = time.perf_counter()
-        decode_many([src], [42])
+        decode_many([dst], [42])
         if i >= 2:
             out["decode"].append(time.perf_counter() - t)
-        src.truncate(n)
+        dst.truncate(n)
     rss = psutil.Process().memory_info().rss
     return {key: statistics.median(x) * 1e3 for key, x in out.items()} | {"mib": src.nbytes / 2**20,
                                                                          "rss_mib": rss / 2**20}
@@ -79,6 +79,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--huge", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a)))
@@ -87,7 +88,7 @@ def main() -> int:
     for _ in range(a.rounds):
         for thp in ("0", "1"):
             p = subprocess.run([sys.executable, __file__, "--child", "--model", a.model, "--tokens", str(a.tokens),
-                                "--reps", str(a.reps), "--dtype", a.dtype], env=os.environ | {"THP_MEM_ALLOC_ENABLE": thp},
+                                "--reps", str(a.reps), "--dtype", a.dtype, "--huge", thp],
                                capture_output=True, text=True, check=True)
             runs[thp].append(json.loads(p.stdout.strip().splitlines()[-1]))
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

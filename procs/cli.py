@@ -1,7 +1,6 @@
 """`ricordo` command: generate, fetch-model, cache, config, and the process entry points."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -177,12 +176,6 @@ COMMANDS = {"generate": _generate, "fetch-model": _fetch, "cache": _cache, "conf
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # torch's CPU allocations of 2 MB and more on transparent huge pages (torch reads this once,
-    # at its first allocation, hence before any command imports it): a K/V session's fresh rows
-    # then fault in 2 MB at a time, not 4 KB, and copying a restored checkpoint or another
-    # session's prefix into them runs ~4x faster (README, Performance). THP_MEM_ALLOC_ENABLE=0 in
-    # the environment keeps 4 KB pages.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if not argv or argv[0] not in COMMANDS:
         print("usage: ricordo {" + ",".join(COMMANDS) + "} ...", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import torch
 from common.policy import common_prefix
 from procs.inference.model import Llama
 from procs.inference.native import ATT_CHUNK
+from procs.inference.pages import advise_huge
 
 # Session contents' versions: a session takes a new one when it is rebuilt (copy_prefix,
 # import_); in between, rows change only past a truncation (KVSession.cuts), so rows of two
@@ -29,12 +30,13 @@ class KVSession:
     session may only be truncated to lengths whose next query sees no key below a floor
     (can_keep). A truncate to 0 forgets the floors; prefills never move them."""
 
-    def __init__(self, model: Llama, n_ctx: int, chunk: int, exact: bool = False):
+    def __init__(self, model: Llama, n_ctx: int, chunk: int, exact: bool = False, huge_pages: bool = True):
         """exact: prefill rows are bit-identical however a prompt is split between cache and
         prefill (Llama.forward's pad_to); decode keeps its fast kernels, so rows it appends
-        are not those a prefill computes (the server prefills them again after each answer)."""
+        are not those a prefill computes (the server prefills them again after each answer).
+        huge_pages: the rows on the CPU on transparent huge pages (procs/inference/pages.py)."""
         c = model.cfg
-        self.exact = exact
+        self.exact, self.huge_pages = exact, huge_pages
         if n_ctx > model.max_context:
             raise ValueError(f"context {n_ctx} exceeds the rotary table ({model.max_context})")
         self.model, self.n_ctx, self.chunk = model, n_ctx, chunk
@@ -67,8 +69,11 @@ class KVSession:
             return cap
         return min(self.max_cap, max(-(-n // self.chunk) * self.chunk, 2 * cap))
 
-    def reserve(self, n: int) -> None:
-        """Room for n rows (exact mode: for the whole chunk holding row n - 1)."""
+    def reserve(self, n: int, huge: bool = False) -> None:
+        """Room for n rows (exact mode: for the whole chunk holding row n - 1). huge: new
+        rows on huge pages, for a session about to be filled whole (copy_prefix, import_;
+        procs/inference/pages.py); a growing one stays on 4 KB pages, where its rows past
+        its length (up to double it) cost nothing until written."""
         if self.exact:
             n = -(-n // self.chunk) * self.chunk
         if n > self.max_cap:
@@ -81,10 +86,12 @@ class KVSession:
             old = getattr(self, name)
             # empty, not zeros: rows past the length are never read (a windowed layer's rows
             # below its floor neither), so on the CPU their pages stay untouched and cost no
-            # memory until written (on huge pages, procs/cli.py, in 2 MB units). Zeroed in exact mode, whose attention reads whole padded
+            # memory until written. Zeroed in exact mode, whose attention reads whole padded
             # chunks, masked: garbage there could be NaN or inf (0 x NaN). (A CUDA graph's
             # step reads its own pool, whose rows graphs.py keeps finite.)
             new = torch.empty(old.shape[:2] + (cap, old.shape[3]), dtype=old.dtype, device=old.device)
+            if huge:
+                advise_huge(new)
             new[:, :, :held] = old[:, :, :held]
             if self.exact:
                 new[:, :, held:].zero_()
@@ -97,7 +104,7 @@ class KVSession:
             raise ValueError(f"cannot keep {n} tokens of the source session")
         self.truncate(0)
         self.version, self.cuts = next(_VERSIONS), []
-        self.reserve(n)
+        self.reserve(n, huge=self.huge_pages)
         self.k[:, :, :n] = src.k[:, :, :n]
         self.v[:, :, :n] = src.v[:, :, :n]
         self.floors = list(src.floors)
@@ -218,7 +225,7 @@ class KVSession:
             raise ValueError(f"checkpoint rows {rows} for {n} tokens; the model needs {need}")
         self.truncate(0)
         self.version, self.cuts = next(_VERSIONS), []
-        self.reserve(n)
+        self.reserve(n, huge=self.huge_pages)
         if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):   # all n rows: one copy
             self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
             self.v[:, :, :n] = v.to(self.v.device, self.v.dtype).transpose(1, 2)

@@ -254,31 +254,34 @@ def test_parallel_conversations_get_their_own_answers(server):
         assert results[t][:2] == alone[t], t
 
 
-def test_the_inference_process_allocates_on_huge_pages(server):
-    """`ricordo` turns torch's transparent huge pages on (THP_MEM_ALLOC_ENABLE=1, set before
-    torch loads): the inference process's weights and K/V sessions sit on 2 MB pages, so
-    copying a checkpoint or another session's prefix into fresh rows faults 512x fewer pages
-    (bench/bench_pages.py). Where the kernel puts every mapping on huge pages ('always') this
-    holds without it; where it allows none ('never') there is nothing to see."""
-    import os
+def test_a_side_requests_session_is_filled_on_huge_pages(server):
+    """A request that shares a long system prompt with a resident conversation gets a new
+    session filled with a copy of that prefix, on transparent huge pages
+    (procs/inference/pages.py: 512x fewer page faults, bench/bench_pages.py): the inference
+    process's AnonHugePages grows by that session's K and V. Where the kernel allows no huge
+    pages ('never') there is nothing to see."""
     from pathlib import Path
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    if "[never]" in mode or os.environ.get("THP_MEM_ALLOC_ENABLE", "1") != "1":
-        pytest.skip(f"huge pages off here ({mode.strip()}; THP_MEM_ALLOC_ENABLE="
-                    f"{os.environ.get('THP_MEM_ALLOC_ENABLE')})")
+    if "[never]" in mode:
+        pytest.skip(f"transparent huge pages off here ({mode.strip()})")
     inference = max((p for p in server.processes() if "inference" in " ".join(p.cmdline())),
                     key=lambda p: p.memory_info().rss)      # not honcho's shell around it
 
     def huge_kb() -> int:
         rollup = Path(f"/proc/{inference.pid}/smaps_rollup").read_text()
         return int(re.search(r"AnonHugePages:\s+(\d+) kB", rollup).group(1))
-    before = huge_kb()
     c = server.client()
-    story = " ".join(f"Line {i}: the {i}th crate holds {i * 7} apples." for i in range(150))
-    c.chat.completions.create(model=server.health["model"], max_tokens=4, temperature=0,
-                              messages=[{"role": "user", "content": story + " Which crate holds 70?"}])
-    # the new session's rows: 30 layers x 3 heads x >= 2,048 rows x 64 x 2 bytes, twice
-    assert huge_kb() >= before + (16 << 10), (before, huge_kb())
+    system = " ".join(f"Line {i}: the {i}th crate holds {i * 7} apples." for i in range(150))
+
+    def ask(question: str) -> None:
+        c.chat.completions.create(model=server.health["model"], max_tokens=4, temperature=0,
+                                  messages=[{"role": "system", "content": system},
+                                            {"role": "user", "content": question}])
+    ask("Which crate holds 70 apples?")
+    before = huge_kb()
+    ask("How many apples are in crate 12? Answer with the number only, nothing else.")
+    # the copy: >= 1,536 rows of 30 layers x 3 heads x 64 x 2 bytes, in K and in V
+    assert huge_kb() >= before + (8 << 10), (before, huge_kb())
 
 
 def test_client_disconnect_stops_generation(server):
