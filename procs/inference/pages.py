@@ -3,7 +3,7 @@
 transparent_hugepage/enabled is `madvise` or `always`). A session's fresh rows are filled in
 one go when a checkpoint is restored into them or another session's prefix is copied into
 them (a side request beside a resident conversation), and faulting them in 4 KB at a time
-was most of that copy (bench/bench_pages.py: 2-4.7x faster on 2 MB pages).
+was most of that copy (bench/bench_pages.py: 1.75-2.95x faster on 2 MB pages).
 
 Only a session filled whole (KVSession.reserve(huge=True) in copy_prefix and import_, whose
 capacity is its length rounded up to a chunk), not a growing one, nor every allocation
