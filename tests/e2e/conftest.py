@@ -16,10 +16,13 @@ def server():
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
+    """A failed test's report gets the log tail of every server it used: its fixtures' by
+    name, then any other still open (a fixture that yields a client, a server made inline)."""
     rep = yield
     if rep.failed:
-        for name in getattr(item, "fixturenames", ()):
-            srv = item.funcargs.get(name) if hasattr(item, "funcargs") else None
-            if isinstance(srv, Server):
-                rep.sections.append((f"server log ({name})", srv.tail()))
+        args = getattr(item, "funcargs", {}) or {}
+        named = {id(v): k for k, v in args.items() if isinstance(v, Server)}
+        for srv in [v for v in args.values() if isinstance(v, Server)] + \
+                [s for s in list(Server.started) if id(s) not in named]:
+            rep.sections.append((f"server log ({named.get(id(srv), srv.tmp.name)})", srv.tail()))
     return rep

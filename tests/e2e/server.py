@@ -20,6 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -139,6 +140,7 @@ class Server(Clients):
     """One `honcho start` of the Procfile. `env` adds to (and overrides) the environment,
     e.g. WEB_CONCURRENCY, RICORDO_CTX_SIZE, RICORDO_KV_DISK_DIR; `concurrency` maps a
     process type to its count (honcho's `-c web=2`)."""
+    started: "weakref.WeakSet[Server]" = weakref.WeakSet()   # not yet closed: their logs go with a failure
 
     def __init__(self, env: dict[str, str] | None = None, concurrency: dict[str, int] | None = None,
                  procfile: str | os.PathLike = REPO / "Procfile", start_timeout: float = START_TIMEOUT_S,
@@ -178,6 +180,7 @@ class Server(Clients):
         self._log.write(f"==== start {time.strftime('%H:%M:%S')} port {self.port}\n".encode())
         self._log.flush()
         self._known = {}
+        Server.started.add(self)
         self.proc = subprocess.Popen(self.command(), cwd=REPO, env=self.env(), stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         if not wait:
@@ -281,6 +284,7 @@ class Server(Clients):
         return self.start()
 
     def close(self) -> None:
+        Server.started.discard(self)
         self.stop()
         if self._client is not None:
             self._client.close()
