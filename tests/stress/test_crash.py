@@ -23,8 +23,13 @@ from .harness import check_dir, entries, settle, temp_files, unique_prompt
 JOB_SILENCE_S = 120.0     # procs/renderer/server.py: a job silent this long is failed
 
 
+LONG_ANSWER = 2000        # tokens, end of text ignored: still generating seconds later on any CPU
+
+
 class Call(threading.Thread):
-    """One completion in the background: .result is ("ok", response) or ("error", exc)."""
+    """One completion in the background: .result is ("ok", response) or ("error", exc).
+    A long answer ignores the end of text: how long it runs must not hang on when this
+    CPU's model happens to pick it (a 400-token answer once ended within 4 s)."""
 
     def __init__(self, cluster, prompt: str, max_tokens: int = 2, timeout: float = 600.0):
         super().__init__(daemon=True)
@@ -36,7 +41,8 @@ class Call(threading.Thread):
         self.t0 = time.monotonic()
         try:
             r = self.c.client(timeout=self.timeout).completions.create(
-                model=self.c.model, prompt=self.prompt, max_tokens=self.max_tokens, temperature=0)
+                model=self.c.model, prompt=self.prompt, max_tokens=self.max_tokens, temperature=0,
+                extra_body={"ignore_eos": True} if self.max_tokens > 2 else None)
             self.result = ("ok", r)
         except Exception as e:   # noqa: BLE001 (reported by the test)
             self.result = ("error", e)
@@ -168,7 +174,7 @@ def kill_mid_request(c, victim: str, phase: str, seed: int):
     """Start a long request, kill -9 `victim` during its prefill or its generation, start the
     victim again. Returns (the in-flight Call, seconds until a new request succeeded)."""
     prompt = unique_prompt(f"mid-{victim}", seed, n_words=1500 if phase == "prefill" else 40)
-    req = Call(c, prompt, max_tokens=400 if phase == "generation" else 2, timeout=JOB_SILENCE_S + 120)
+    req = Call(c, prompt, max_tokens=LONG_ANSWER if phase == "generation" else 2, timeout=JOB_SILENCE_S + 120)
     req.start()
     # a prefill of ~2000 tokens takes seconds: kill early in it; generation: after a few tokens
     time.sleep(1.5 if phase == "prefill" else 4.0)
@@ -219,7 +225,7 @@ def test_renderer_restart_fails_requests_in_flight(healthy):
     """The web's idle check asks the new renderer whether it holds the request; it does
     not, so the request fails with a 503 (it hung forever before)."""
     c = healthy
-    req = Call(c, unique_prompt("mid-renderer", 1, n_words=40), max_tokens=300, timeout=100)
+    req = Call(c, unique_prompt("mid-renderer", 1, n_words=40), max_tokens=LONG_ANSWER, timeout=100)
     req.start()
     time.sleep(3)
     assert req.is_alive()
@@ -237,7 +243,7 @@ def test_inference_gone_fails_the_request_in_flight(healthy):
     """kill -9 inference mid-generation and leave it down: pings go unanswered, so the
     renderer fails the job after INFERENCE_SILENCE_S (20 s), not JOB_SILENCE_S (120 s)."""
     c = healthy
-    req = Call(c, unique_prompt("gone", 1, n_words=40), max_tokens=400, timeout=200)
+    req = Call(c, unique_prompt("gone", 1, n_words=40), max_tokens=LONG_ANSWER, timeout=200)
     req.start()
     time.sleep(4.0)
     assert req.is_alive(), "the request ended before the kill; make it longer"
