@@ -58,6 +58,8 @@ class Settings:
     # process wiring
     run_dir: str = opt("", "directory for sockets and shared-memory names (default: one per user and "
                        "working directory under /tmp)", ("web", "renderer", "inference", "persister"))
+    slots: bool = opt(True, "GET /slots lists the resident sessions and running jobs (token counts, no text; "
+                      "llama.cpp's --slots)", ("web",))
     max_body_bytes: int = opt(8 << 20, "largest accepted request body", ("web",))
     strict_model_names: bool = opt(False, "404 for a request naming another model (else the loaded model "
                                    "serves any name, and the answer names it)", ("web",))

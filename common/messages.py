@@ -145,6 +145,7 @@ class CancelRequest(msgspec.Struct, tag="cancel", frozen=True):
 class PingRequest(msgspec.Struct, tag="ping", frozen=True):
     rid: str
     about: str = ""                     # a request rid: the answer says whether it is held
+    slots: bool = False                 # the answer lists the sessions (GET /slots)
 
 
 RendererIn = GenerateRequest | CancelRequest | PingRequest
@@ -199,6 +200,15 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     limit: int = 0                      # ... and the context size
 
 
+class SlotState(msgspec.Struct, frozen=True):
+    """A resident session, or the new session of a running job, as the renderer knows it."""
+    sid: int                            # 0: a running job's new session (resident once it ends)
+    n_tokens: int                       # held; while a job runs: its prompt and answer so far
+    rid: str = ""                       # the job running in it
+    n_decoded: int = 0                  # that job's answer tokens so far
+    on_disk: int = 0                    # tokens of the longest checkpoint that is a prefix of it
+
+
 class Health(msgspec.Struct, tag="health", frozen=True):
     rid: str
     ready: bool
@@ -208,6 +218,9 @@ class Health(msgspec.Struct, tag="health", frozen=True):
     dtype: str = ""
     detail: str = ""
     holds: bool = False                 # the PingRequest's `about` is queued or running here
+    slots: tuple[SlotState, ...] = ()   # asked for: the resident sessions, then running jobs' new ones
+    parallel: int = 0                   # jobs that may run at once
+    queued: int = 0                     # requests waiting for one of them
 
 
 WebIn = Accepted | Waiting | Started | Delta | Finished | Failed | Health

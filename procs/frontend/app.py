@@ -59,6 +59,15 @@ class Lifespan:
             await close()
 
 
+async def ready_health(backend, slots: bool = False):
+    """The renderer's Health, or 503 while the server is not ready."""
+    h = await backend.health(timeout=HEALTH_TIMEOUT_S, slots=slots)
+    if not h.ready:
+        raise ApiError(503, f"the model is not ready yet ({h.detail})", code="model_not_ready",
+                       err_type="server_error", headers={"Retry-After": "1"})
+    return h
+
+
 class Models:
     """The model list answers only when the server is ready (as /health), since clients and
     harnesses take its first answer as the sign to send requests."""
@@ -68,10 +77,7 @@ class Models:
         self.backend = backend
 
     async def _ready(self) -> None:
-        h = await self.backend.health(timeout=HEALTH_TIMEOUT_S)
-        if not h.ready:
-            raise ApiError(503, f"the model is not ready yet ({h.detail})", code="model_not_ready",
-                           err_type="server_error", headers={"Retry-After": "1"})
+        await ready_health(self.backend)
 
     async def on_get(self, req, resp) -> None:
         await self._ready()
@@ -103,6 +109,32 @@ class HealthResource:
         resp.data = encode(body)
 
 
+class SlotsResource:
+    """GET /slots (llama.cpp's endpoint, in ricordo's terms): one object per resident session,
+    most recently used first, then one per running job whose session is new. `id` is the
+    session (null for a new one until its job ends), `is_processing` whether a job runs in
+    it, `n_tokens` what it holds, `on_disk_tokens` the longest checkpoint of a prefix of it
+    (what survives it leaving memory without a write). No prompt text. With
+    ?fail_on_no_slot=1, 503 while --parallel jobs run (no slot free)."""
+
+    def __init__(self, backend, enabled: bool):
+        self.backend, self.enabled = backend, enabled
+
+    async def on_get(self, req, resp) -> None:
+        if not self.enabled:
+            raise ApiError(501, "This server does not support the slots endpoint (started with --no-slots).",
+                           code="not_supported", err_type="server_error")
+        h = await ready_health(self.backend, slots=True)
+        busy = sum(1 for x in h.slots if x.rid)
+        if req.get_param_as_bool("fail_on_no_slot") and busy >= h.parallel:
+            raise ApiError(503, f"no slot available: {busy} of {h.parallel} requests run, {h.queued} wait",
+                           code="no_slot_available", err_type="server_error", headers={"Retry-After": "1"})
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = encode([{"id": x.sid or None, "n_ctx": h.n_ctx, "is_processing": bool(x.rid),
+                             "id_task": x.rid or None, "n_tokens": x.n_tokens, "n_decoded": x.n_decoded,
+                             "on_disk_tokens": x.on_disk} for x in h.slots])
+
+
 class MetricsResource:
     async def on_get(self, req, resp) -> None:
         resp.data, resp.content_type = metrics.exposition()
@@ -132,6 +164,7 @@ def create_app(backend, settings: Settings) -> falcon.asgi.App:
     app.add_route("/health", HealthResource(backend, model_id))
     responses.register(app, backend, settings, model_id)
     anthropic.register(app, backend, settings, model_id)
+    app.add_route("/slots", SlotsResource(backend, settings.slots))
     app.add_route("/metrics", MetricsResource())
     return app
 

@@ -213,15 +213,16 @@ class ZmqBackend:
         self._ensure()
         self._send_nowait(CancelRequest(rid=rid))
 
-    async def health(self, timeout: float = 1.0, about: str = "") -> Health:
-        """The renderer's Health; `about` asks whether it holds that request."""
+    async def health(self, timeout: float = 1.0, about: str = "", slots: bool = False) -> Health:
+        """The renderer's Health; `about` asks whether it holds that request, `slots` for
+        its sessions."""
         rid = new_rid()
         deadline = time.monotonic() + timeout
         self._ensure()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         try:
-            await self._send(PingRequest(rid=rid, about=about), timeout=timeout)
+            await self._send(PingRequest(rid=rid, about=about, slots=slots), timeout=timeout)
             while True:
                 ev = await asyncio.wait_for(q.get(), max(deadline - time.monotonic(), 0.001))
                 if isinstance(ev, Health):

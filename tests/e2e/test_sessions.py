@@ -90,3 +90,39 @@ def test_a_budget_for_one_session_evicts_the_least_recently_used(tmp_path):
         assert "leaves memory" in text and "reason evict" in text, text[-3000:]
         assert HIT.search(during), during
         assert gauge(srv, "ricordo_live_sessions") == 1
+
+
+def slots(srv: Server) -> list[dict]:
+    r = srv.http().get("/slots")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_slots_list_the_resident_sessions_and_the_running_job(tmp_path):
+    """GET /slots: the three resident sessions, most recent first, with what each holds and
+    how much of it a checkpoint holds; a streaming answer shows as a job running in its own
+    session, with its answer's tokens so far."""
+    trace = tmp_path / "trace.log"
+    env = {**ENV, "RICORDO_KV_DISK_DIR": str(tmp_path / "kv"), "RICORDO_TRACE": str(trace)}
+    with Server(env=env, name="ricordo-slots") as srv:
+        u1, u2, _ = conversation(srv, trace)
+        first = slots(srv)
+        assert len(first) == 3 and not any(s["is_processing"] or s["id_task"] for s in first), first
+        assert len({s["id"] for s in first}) == 3 and all(s["n_ctx"] > 0 for s in first), first
+        # the latest is the conversation: its prompt and answer (the answer's last token is not run)
+        assert first[0]["n_tokens"] == u2.prompt_tokens + u2.completion_tokens - 1, (first, u2)
+        assert 0 < first[0]["on_disk_tokens"] <= first[0]["n_tokens"], first   # turn 1's cold checkpoint
+        stream = srv.client().chat.completions.create(
+            model="x", messages=[{"role": "user", "content": "Count from one to a thousand."}],
+            max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        during = None
+        for chunk in stream:
+            if during is None and chunk.choices and chunk.choices[0].delta.content:
+                during = slots(srv)
+        running = [s for s in during if s["is_processing"]]
+        assert len(running) == 1 and running[0]["id"] is None and running[0]["id_task"], during
+        assert 1 <= running[0]["n_decoded"] < 200, during
+        assert [s["id"] for s in during if not s["is_processing"]] == [s["id"] for s in first], during
+        after = slots(srv)
+        assert len(after) == 4 and not any(s["is_processing"] for s in after), after
+        assert after[0]["id"] not in {s["id"] for s in first}, after

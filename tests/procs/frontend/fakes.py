@@ -58,7 +58,8 @@ class FakeBackend:
     async def cancel(self, rid):
         self.cancelled.append(rid)
 
-    async def health(self, timeout=1.0):
+    async def health(self, timeout=1.0, slots=False):
+        self.slots_asked = slots
         return self.health_result
 
 

@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from common.config import Settings
-from common.messages import (Accepted, CancelRequest, Delta, Failed, Finished, GenerateRequest, Health,
+from common.messages import (Accepted, CancelRequest, Delta, Failed, Finished, GenerateRequest, Health, SlotState,
                              PingRequest, RendererIn, SamplingParams)
 from common.sockets import RENDERER, address
 from procs.frontend import fields, flow
@@ -288,6 +288,32 @@ def test_health():
     be.health_result = Health(rid="x", ready=False, detail=NOT_ANSWERING)
     r = c.simulate_get("/health")
     assert r.status_code == 503 and r.json == {"status": "unavailable", "detail": NOT_ANSWERING}
+
+
+def test_slots():
+    """GET /slots shapes the renderer's sessions (llama.cpp's keys where they mean the same);
+    ?fail_on_no_slot=1 is a 503 while --parallel jobs run; --no-slots is a 501."""
+    be, c = make()
+    states = (SlotState(sid=3, n_tokens=900, rid="r1", n_decoded=5, on_disk=512), SlotState(sid=1, n_tokens=40),
+              SlotState(sid=0, n_tokens=70, rid="r2", n_decoded=1))
+    be.health_result = Health(rid="x", ready=True, n_ctx=2048, slots=states, parallel=2, queued=1)
+    r = c.simulate_get("/slots")
+    assert r.status_code == 200 and be.slots_asked
+    assert r.json == [
+        {"id": 3, "n_ctx": 2048, "is_processing": True, "id_task": "r1", "n_tokens": 900, "n_decoded": 5,
+         "on_disk_tokens": 512},
+        {"id": 1, "n_ctx": 2048, "is_processing": False, "id_task": None, "n_tokens": 40, "n_decoded": 0,
+         "on_disk_tokens": 0},
+        {"id": None, "n_ctx": 2048, "is_processing": True, "id_task": "r2", "n_tokens": 70, "n_decoded": 1,
+         "on_disk_tokens": 0}]
+    e = err(c.simulate_get("/slots?fail_on_no_slot=1"), 503, None, "no_slot_available", "server_error")
+    assert "2 of 2" in e["message"]
+    be.health_result = Health(rid="x", ready=True, n_ctx=2048, slots=states[1:], parallel=2)
+    assert c.simulate_get("/slots?fail_on_no_slot=1").status_code == 200
+    be.health_result = Health(rid="x", ready=False, detail="waiting for the inference process")
+    err(c.simulate_get("/slots"), 503, None, "model_not_ready", "server_error")
+    be, c = make(slots=False)
+    err(c.simulate_get("/slots"), 501, None, "not_supported", "server_error")
 
 
 def test_routing_errors():
