@@ -155,7 +155,9 @@ class Worker(Placement, Runs):
                 if len(self.cancelled) > MAX_CANCELLED:   # cancels of jobs this process never saw
                     known = {j.rid for j in self.jobs} | set(self.active)
                     self.cancelled &= known | {msg.rid}
-                if msg.keep >= 0:
+                # a call's end (keep) often comes after its job ended on the stop token: kept
+                # only for a job still here, or it would be remembered for ever
+                if msg.keep >= 0 and (msg.rid in self.active or any(j.rid == msg.rid for j in self.jobs)):
                     self.keep[msg.rid] = msg.keep
             elif isinstance(msg, m.SlotFreed):
                 self.disk.slot_freed(msg.slot, msg.seq)

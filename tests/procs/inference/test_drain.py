@@ -1,0 +1,45 @@
+"""Worker.drain, the inference loop's reading of its socket, over a real ZeroMQ pair: what a
+CancelJob leaves behind for the job it names."""
+from __future__ import annotations
+
+import collections
+
+import zmq
+
+from common import messages as m
+from procs.inference.server import Worker
+
+
+def worker_reading(addr: str, ctx: zmq.Context) -> Worker:
+    """A Worker with only what drain touches: its PULL socket, decoder and job state."""
+    w = Worker.__new__(Worker)
+    w.pull = ctx.socket(zmq.PULL)
+    w.pull.bind(addr)
+    w.dec = m.decoder(m.InferenceIn)
+    w.jobs, w.active, w.cancelled, w.keep = collections.deque(), {}, set(), {}
+    return w
+
+
+def test_a_calls_end_is_kept_only_for_a_job_still_there():
+    """The renderer sends a tool call's end (CancelJob keep) as it parses it; a job that ended
+    on its stop token first must not leave the count behind for ever (one per tool call)."""
+    ctx = zmq.Context.instance()
+    w = worker_reading("inproc://test-drain", ctx)
+    push = ctx.socket(zmq.PUSH)
+    push.connect("inproc://test-drain")
+    enc = m.encoder()
+    try:
+        job = m.Job(rid="queued", ids=(1, 2, 3), reuse=0, sampling=m.SamplingParams(max_tokens=4))
+        w.active["running"] = object()
+        for msg in (job, m.CancelJob(rid="running", keep=40), m.CancelJob(rid="queued", keep=3),
+                    m.CancelJob(rid="ended", keep=50), m.CancelJob(rid="running-plain")):
+            push.send(enc.encode(msg))
+        w.drain(1.0)
+        while len(w.cancelled) < 4:      # inproc delivers in order; wait for the last ones
+            w.drain(0.2)
+        assert w.keep == {"running": 40, "queued": 3}
+        assert {"running", "queued", "ended", "running-plain"} <= w.cancelled
+        assert [j.rid for j in w.jobs] == ["queued"]
+    finally:
+        push.close(0)
+        w.pull.close(0)
