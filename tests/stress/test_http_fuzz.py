@@ -29,7 +29,7 @@ from tests.procs.frontend.fakes import FakeBackend                       # noqa:
 
 MODEL = "test-model"
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models",
-          f"/v1/models/{MODEL}", "/health", "/metrics"]
+          f"/v1/models/{MODEL}", "/health", "/metrics", "/slots"]
 # the fake app has no metrics directory (get_app() makes one): /metrics only on the real server
 ASGI_ROUTES = [r for r in ROUTES if r != "/metrics"]
 POSTS = ROUTES[:4]

@@ -18,11 +18,11 @@ import psutil
 import pytest
 
 from .conftest import Stats, scale
-from .harness import REPO, entries
+from .harness import REPO, entries, settle, unique_prompt
 
 ENDPOINTS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
              ("POST", "/v1/messages"), ("GET", "/v1/models"), ("GET", "/v1/models/x"), ("GET", "/metrics"),
-             ("GET", "/nope"), ("DELETE", "/v1/models"), ("GET", "/health")]
+             ("GET", "/slots"), ("GET", "/nope"), ("DELETE", "/v1/models"), ("GET", "/health")]
 
 
 def test_binds_loopback_by_default(healthy):
@@ -80,6 +80,9 @@ def test_cache_directory_and_file_modes(healthy):
     c = healthy
     d = c.kv_dir
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    # a checkpoint of its own: run alone, or after a test that left the directory empty
+    c.client().completions.create(model=c.model, prompt=unique_prompt("modes", 1), max_tokens=2, temperature=0)
+    settle(d, c.trace_path)
     modes = {}
     for sha in entries(d):
         try:
