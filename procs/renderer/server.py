@@ -176,7 +176,7 @@ class Renderer(Readiness, Answers, Dispatch):
             self.to_web(route, m.Health(rid=msg.rid, ready=not lacks, model=self.model_id, n_ctx=self.n_ctx,
                                         device=i.device if i else "", dtype=i.dtype if i else "",
                                         detail=lacks, holds=bool(msg.about) and self.holds(msg.about),
-                                        slots=self.slot_states() if msg.slots and not lacks else (),
+                                        slots=self.guarded_slots() if msg.slots and not lacks else (),
                                         parallel=self.s.batch, queued=len(self.queue) + len(self.held)))
         elif isinstance(msg, m.CancelRequest):
             self.cancel(msg.rid)
@@ -250,6 +250,14 @@ class Renderer(Readiness, Answers, Dispatch):
             self.to_inference(m.CancelJob(rid=rid))
 
     # -- the mirror of inference's resident sessions --
+    def guarded_slots(self) -> tuple[m.SlotState, ...]:
+        """slot_states, never the end of the loop: a failure there answers an empty list."""
+        try:
+            return self.slot_states()
+        except Exception as e:   # noqa: BLE001 (a monitoring answer must not stop the renderer)
+            self.log.error("GET /slots: %s", e, exc_info=e)
+            return ()
+
     def slot_states(self) -> tuple[m.SlotState, ...]:
         """The resident sessions, most recently used first, then the running jobs' new ones
         (inference names those only when they end)."""

@@ -12,6 +12,7 @@ depends on which tokens the model picks (each turn's answer is sent back as the 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -92,10 +93,16 @@ def test_a_budget_for_one_session_evicts_the_least_recently_used(tmp_path):
         assert gauge(srv, "ricordo_live_sessions") == 1
 
 
-def slots(srv: Server) -> list[dict]:
-    r = srv.http().get("/slots")
-    assert r.status_code == 200, r.text
-    return r.json()
+def slots(srv: Server, idle: bool = False) -> list[dict]:
+    """GET /slots; idle: until no job runs (the client has its answer before inference's
+    JobDone reaches the renderer), for at most 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        r = srv.http().get("/slots")
+        assert r.status_code == 200, r.text
+        if not idle or not any(s["is_processing"] for s in r.json()) or time.monotonic() > deadline:
+            return r.json()
+        time.sleep(0.05)
 
 
 def test_slots_list_the_resident_sessions_and_the_running_job(tmp_path):
@@ -106,7 +113,7 @@ def test_slots_list_the_resident_sessions_and_the_running_job(tmp_path):
     env = {**ENV, "RICORDO_KV_DISK_DIR": str(tmp_path / "kv"), "RICORDO_TRACE": str(trace)}
     with Server(env=env, name="ricordo-slots") as srv:
         u1, u2, _ = conversation(srv, trace)
-        first = slots(srv)
+        first = slots(srv, idle=True)
         assert len(first) == 3 and not any(s["is_processing"] or s["id_task"] for s in first), first
         assert len({s["id"] for s in first}) == 3 and all(s["n_ctx"] > 0 for s in first), first
         # the latest is the conversation: its prompt and answer (the answer's last token is not run)
@@ -123,6 +130,6 @@ def test_slots_list_the_resident_sessions_and_the_running_job(tmp_path):
         assert len(running) == 1 and running[0]["id"] is None and running[0]["id_task"], during
         assert 1 <= running[0]["n_decoded"] < 200, during
         assert [s["id"] for s in during if not s["is_processing"]] == [s["id"] for s in first], during
-        after = slots(srv)
+        after = slots(srv, idle=True)
         assert len(after) == 4 and not any(s["is_processing"] for s in after), after
         assert after[0]["id"] not in {s["id"] for s in first}, after
