@@ -203,6 +203,7 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
 class SlotState(msgspec.Struct, frozen=True):
     """A resident session, or the new session of a running job, as the renderer knows it."""
     sid: int                            # 0: a running job's new session (resident once it ends)
+                                        # (a running job's own session while the mirror is unknown)
     n_tokens: int                       # held; while a job runs: its prompt and answer so far
     rid: str = ""                       # the job running in it
     n_decoded: int = 0                  # that job's answer tokens so far

@@ -44,6 +44,11 @@ class Pending:
     reuse: int = 0                  # that session's tokens it keeps (rows below are not rewritten)
     waits_for: str = ""              # queued: the running job it follows (dispatch waits for it)
 
+    @property
+    def n_prompt(self) -> int:
+        """The prompt's tokens: inference's count once it has begun the job, else the plan's."""
+        return self.prompt_tokens or len(self.ids)
+
 
 class Answers:
     def on_token(self, p: Pending, ev: m.Token) -> None:
@@ -75,7 +80,7 @@ class Answers:
                 # the live session keeps only the tokens inside content + block, so that it and
                 # its checkpoints stay a byte prefix of the next turn's prompt
                 k = sum(1 for b in p.gen_bytes if b <= kept)
-                self.to_inference(m.CancelJob(rid=p.req.rid, keep=(p.prompt_tokens or len(p.ids)) + k))
+                self.to_inference(m.CancelJob(rid=p.req.rid, keep=p.n_prompt + k))
                 return
         if p.stream.stopped:   # a stop string: end here, and stop the model
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
@@ -117,7 +122,7 @@ class Answers:
             pieces += p.calls.cut_pieces()      # a cut call is never remembered: its block has no end to replay
         if tail or pieces:
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces)))
-        usage = m.Usage(prompt_tokens=p.prompt_tokens or len(p.ids), completion_tokens=p.n_generated, cached_tokens=p.cached)
+        usage = m.Usage(prompt_tokens=p.n_prompt, completion_tokens=p.n_generated, cached_tokens=p.cached)
         metrics.M.prompt_tokens.inc(usage.prompt_tokens)
         metrics.M.cached_tokens.inc(usage.cached_tokens)
         metrics.M.generated_tokens.inc(usage.completion_tokens)

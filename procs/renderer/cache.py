@@ -33,8 +33,9 @@ class DiskIndex:
         e = self.entries.get(hashlib.sha1(text).hexdigest())
         return e is not None and e.n_tokens == n_tokens
 
-    def lookup(self, prompt: bytes, n_ctx: int, quant_bits: int) -> tuple[m.IndexEntry | None, str]:
-        """The entry with the longest text that is a byte prefix of prompt (ties: more tokens)."""
+    def lookup(self, prompt: bytes, n_ctx: int, quant_bits: int, why: bool = True) -> tuple[m.IndexEntry | None, str]:
+        """The entry with the longest text that is a byte prefix of prompt (ties: more tokens).
+        why=False: no miss reason (with --trace that reason reads candidate files)."""
         cands = self.candidates(n_ctx, quant_bits)
         if not cands:
             return None, "no checkpoints" if not self.entries else "no usable checkpoints"
@@ -51,7 +52,7 @@ class DiskIndex:
                 best = hit
         if best is not None:
             return best, ""
-        return None, self._miss_reason(prompt, cands) if self.trace else "prefix mismatch"
+        return None, self._miss_reason(prompt, cands) if self.trace and why else "prefix mismatch"
 
     def _miss_reason(self, prompt: bytes, cands) -> str:
         """Only with --trace: read candidate texts to say where the best one stopped matching."""

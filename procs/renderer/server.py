@@ -176,7 +176,7 @@ class Renderer(Readiness, Answers, Dispatch):
             self.to_web(route, m.Health(rid=msg.rid, ready=not lacks, model=self.model_id, n_ctx=self.n_ctx,
                                         device=i.device if i else "", dtype=i.dtype if i else "",
                                         detail=lacks, holds=bool(msg.about) and self.holds(msg.about),
-                                        slots=self.guarded_slots() if msg.slots and not lacks else (),
+                                        slots=self.slot_states() if msg.slots and not lacks else (),
                                         parallel=self.s.batch, queued=len(self.queue) + len(self.held)))
         elif isinstance(msg, m.CancelRequest):
             self.cancel(msg.rid)
@@ -250,31 +250,29 @@ class Renderer(Readiness, Answers, Dispatch):
             self.to_inference(m.CancelJob(rid=rid))
 
     # -- the mirror of inference's resident sessions --
-    def guarded_slots(self) -> tuple[m.SlotState, ...]:
-        """slot_states, never the end of the loop: a failure there answers an empty list."""
+    def slot_states(self) -> tuple[m.SlotState, ...]:
+        """The resident sessions, most recently used first, then the running jobs in a session
+        not among them (a new one: inference names it only when the job ends). A failure
+        answers an empty list: a monitoring answer never ends the renderer's loop."""
         try:
-            return self.slot_states()
-        except Exception as e:   # noqa: BLE001 (a monitoring answer must not stop the renderer)
+            running = {p.session: p for p in self.running.values() if p.session}
+            quant = self.inference.quant_bits if self.inference else 0
+            live = self.live or {}
+            out = []
+            for sid, ls in reversed(live.items()):
+                p = running.get(sid)
+                entry = None
+                if self.s.kv_disk_dir and ls.tokens:
+                    entry, _ = self.index.lookup(self.text.piece_bytes(ls.tokens), self.n_ctx, quant, why=False)
+                out.append(m.SlotState(sid=sid, n_tokens=p.n_prompt + p.n_generated if p else len(ls.tokens),
+                                       rid=p.req.rid if p else "", n_decoded=p.n_generated if p else 0,
+                                       on_disk=entry.n_tokens if entry else 0))
+            out += [m.SlotState(sid=p.session, n_tokens=p.n_prompt + p.n_generated, rid=p.req.rid, n_decoded=p.n_generated)
+                    for p in self.running.values() if p.session not in live]
+            return tuple(out)
+        except Exception as e:   # noqa: BLE001
             self.log.error("GET /slots: %s", e, exc_info=e)
             return ()
-
-    def slot_states(self) -> tuple[m.SlotState, ...]:
-        """The resident sessions, most recently used first, then the running jobs' new ones
-        (inference names those only when they end)."""
-        running = {p.session: p for p in self.running.values() if p.session}
-        quant = self.inference.quant_bits if self.inference else 0
-        out = []
-        for sid, ls in reversed((self.live or {}).items()):
-            p = running.get(sid)
-            entry = None
-            if self.s.kv_disk_dir and ls.tokens:
-                entry, _ = self.index.lookup(self.text.piece_bytes(ls.tokens), self.n_ctx, quant)
-            out.append(m.SlotState(sid=sid, n_tokens=(p.prompt_tokens or len(p.ids)) + p.n_generated if p
-                                   else len(ls.tokens), rid=p.req.rid if p else "",
-                                   n_decoded=p.n_generated if p else 0, on_disk=entry.n_tokens if entry else 0))
-        out += [m.SlotState(sid=0, n_tokens=(p.prompt_tokens or len(p.ids)) + p.n_generated, rid=p.req.rid,
-                            n_decoded=p.n_generated) for p in self.running.values() if not p.session]
-        return tuple(out)
 
     def mirror(self, sessions) -> None:
         self.live = {ls.sid: ls for ls in sessions}
