@@ -229,6 +229,10 @@ class GraphDecoder:
             except Exception as e:     # (out of memory): the product, as before
                 log.warning("graphs' attention not timed (%s): the product", e)
                 self.fused = {"decode": False, "prefill": False}
+                for kind in self.fused:
+                    metrics.M.graph_fused.labels(kind).set(0)
+            finally:                   # the timings' tensors back to the device before the pools
+                torch.cuda.empty_cache()
         caps = buckets(m.max_context, MIN_CAP)
         need = 2 * 2 * batch * caps[-1] * c.n_layers * c.n_kv_heads * c.head_dim * m.norm.element_size()
         if m.device.type == "cuda" and need > torch.cuda.mem_get_info(m.device)[0] // 4:
@@ -247,7 +251,11 @@ class GraphDecoder:
                 break
             for kind, B, T in steps:
                 key = ("decode", B, cap) if kind == "decode" else ("prefill", 1, T, cap)
+                if kind == "prefill" and not self.fits_scores(1, T, cap):
+                    continue            # a failed fused capture left the product, which this outgrows
                 if self._blank(key, B, T, cap) is None:
+                    if self.model.graphs is self and key[0] == "prefill" and not self.fits_scores(1, T, cap):
+                        continue        # (this step was the one whose fused capture failed)
                     return made         # out of memory, or graphs turned off
                 made += 1
         return made
@@ -297,6 +305,8 @@ class GraphDecoder:
             del self.wanted[key]
             _, B, T, cap = key
             if key in self.graphs or not self.pools["prefill"].fits(B, cap):   # no growth here
+                continue
+            if not self.fits_scores(B, T, cap):   # wanted while fused, the product's since
                 continue
             return self._blank(key, B, T, cap) is not None
         return False
@@ -354,6 +364,10 @@ class GraphDecoder:
                                 e, key[0])
                     self.fused[key[0]] = False
                     metrics.M.graph_fused.labels(key[0]).set(0)
+                    # a prefill step only the fused kernel's mask fits: the product's scores
+                    # would pin more than SCORES_MAX a layer in the graphs' pool, so eager
+                    if key[0] == "prefill" and not self.fits_scores(*shape, cap):
+                        return None
                     return self._run(key, host, shape, cap, pool, head)
                 log.warning("CUDA graphs off: capture failed (%s); steps launch op by op", e)
                 self.model.graphs = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -69,11 +70,13 @@ class KVSession:
             return cap
         return min(self.max_cap, max(-(-n // self.chunk) * self.chunk, 2 * cap))
 
-    def reserve(self, n: int, huge: bool = False) -> None:
-        """Room for n rows (exact mode: for the whole chunk holding row n - 1). huge: new
-        rows on huge pages, for a session about to be filled whole (copy_prefix, import_;
-        procs/inference/pages.py); a growing one stays on 4 KB pages, where its rows past
-        its length (up to double it) cost nothing until written."""
+    def reserve(self, n: int, huge: Sequence[int] = ()) -> None:
+        """Room for n rows (exact mode: for the whole chunk holding row n - 1). huge: the
+        layers whose new rows go on huge pages, those about to be filled whole (copy_prefix,
+        import_; procs/inference/pages.py); a growing session stays on 4 KB pages, where its
+        rows past its length (up to double it) cost nothing until written, and so does a
+        restored windowed layer, which is written only in its last W rows (a 2 MB page is
+        resident whole once touched)."""
         if self.exact:
             n = -(-n // self.chunk) * self.chunk
         if n > self.max_cap:
@@ -90,8 +93,8 @@ class KVSession:
             # chunks, masked: garbage there could be NaN or inf (0 x NaN). (A CUDA graph's
             # step reads its own pool, whose rows graphs.py keeps finite.)
             new = torch.empty(old.shape[:2] + (cap, old.shape[3]), dtype=old.dtype, device=old.device)
-            if huge:
-                advise_huge(new)
+            for a, b in _runs(huge):          # runs of adjacent layers: one span each
+                advise_huge(new[a:b], within=new)
             new[:, :, :held] = old[:, :, :held]
             if self.exact:
                 new[:, :, held:].zero_()
@@ -104,7 +107,7 @@ class KVSession:
             raise ValueError(f"cannot keep {n} tokens of the source session")
         self.truncate(0)
         self.version, self.cuts = next(_VERSIONS), []
-        self.reserve(n, huge=self.huge_pages)
+        self.reserve(n, huge=range(len(self.windows)) if self.huge_pages else ())
         self.k[:, :, :n] = src.k[:, :, :n]
         self.v[:, :, :n] = src.v[:, :, :n]
         self.floors = list(src.floors)
@@ -225,7 +228,7 @@ class KVSession:
             raise ValueError(f"checkpoint rows {rows} for {n} tokens; the model needs {need}")
         self.truncate(0)
         self.version, self.cuts = next(_VERSIONS), []
-        self.reserve(n, huge=self.huge_pages)
+        self.reserve(n, huge=[li for li, r in enumerate(rows) if r == n] if self.huge_pages else ())
         if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):   # all n rows: one copy
             self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
             self.v[:, :, :n] = v.to(self.v.device, self.v.dtype).transpose(1, 2)
@@ -236,6 +239,17 @@ class KVSession:
         self.floors = [n - r for r in rows]
         self.tokens = list(tokens)
         self.logits = None if logits is None else logits.to(self.model.device, torch.float32).clone()
+
+
+def _runs(layers: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted layer indices as [a, b) runs of consecutive ones."""
+    out: list[list[int]] = []
+    for li in sorted(layers):
+        if out and out[-1][1] == li:
+            out[-1][1] = li + 1
+        else:
+            out.append([li, li + 1])
+    return [(a, b) for a, b in out]
 
 
 def _equal_rows(a: KVSession, b: KVSession, n: int) -> int:

@@ -5,8 +5,10 @@ one go when a checkpoint is restored into them or another session's prefix is co
 them (a side request beside a resident conversation), and faulting them in 4 KB at a time
 was most of that copy (bench/bench_pages.py: 1.75-2.95x faster on 2 MB pages).
 
-Only a session filled whole (KVSession.reserve(huge=True) in copy_prefix and import_, whose
-capacity is its length rounded up to a chunk), not a growing one, nor every allocation
+Only a session filled whole (KVSession.reserve(huge=layers) in copy_prefix and import_, whose
+capacity is its length rounded up to a chunk), and of a restored one only the layers written
+whole (not a windowed layer, which gets its last W rows: on 2 MB pages each of its touched
+extents would be resident whole), not a growing one, nor every allocation
 (torch's THP_MEM_ALLOC_ENABLE=1): a 2 MB page is resident whole once touched, and a growing
 session's capacity is up to twice its length (reserve doubles it), rows that on 4 KB pages
 cost nothing until written. With every allocation on huge pages, bench_parallel's inference
@@ -23,6 +25,10 @@ import torch
 
 HUGE = 2 << 20
 MADV_HUGEPAGE = 14          # linux/mman.h
+# glibc's largest dynamic mmap threshold (64-bit): an allocation above it always gets a
+# mapping of its own, unmapped when freed. One below may come from the heap, and its advice
+# would stay on the range for whatever malloc puts there next (a growing session's rows).
+OWN_MAPPING = 32 << 20
 
 _madvise = None
 if sys.platform.startswith("linux"):
@@ -34,11 +40,13 @@ if sys.platform.startswith("linux"):
         _madvise = None
 
 
-def advise_huge(t: torch.Tensor) -> bool:
-    """Ask for huge pages under t's whole 2 MB extents (a CPU tensor of its own, not yet
-    touched there). Returns whether the kernel took the advice (False off Linux, on a GPU,
-    for a tensor under 2 MB, or where THP is off)."""
-    if _madvise is None or t.device.type != "cpu":
+def advise_huge(t: torch.Tensor, within: torch.Tensor | None = None) -> bool:
+    """Ask for huge pages under t's whole 2 MB extents (a CPU tensor, or a view of `within`,
+    of its own allocation, not yet touched there). Returns whether the kernel took the
+    advice (False off Linux, on a GPU, for an allocation that may sit in malloc's heap or a
+    span under 2 MB, or where THP is off)."""
+    base = t if within is None else within
+    if _madvise is None or t.device.type != "cpu" or base.numel() * base.element_size() <= OWN_MAPPING:
         return False
     start = t.data_ptr()
     lo, hi = -(-start // HUGE) * HUGE, (start + t.numel() * t.element_size()) // HUGE * HUGE

@@ -301,6 +301,52 @@ def test_a_capture_the_fused_attention_fails_falls_back_to_the_product(model_pat
         assert int(a.argmax()) == int(b.argmax()) and (a - b).abs().max().item() <= 1e-3 * a.abs().max().item()
 
 
+def test_a_failed_fused_prefill_capture_never_captures_what_only_the_fused_kernel_fits(model_path, monkeypatch):
+    """When the fused kernel's capture fails, the product takes over prefill steps, but only
+    those whose f32 scores fit SCORES_MAX: a step that fitted only as the fused kernel's mask
+    runs eagerly (its answer the forward's), and warm() leaves out the lengths the product
+    outgrows instead of pinning their scores in the graphs' pool."""
+    from procs.inference import graphs as graphs_mod
+    from procs.inference.loader import load
+    from tests.procs.inference.test_runs import EagerGraphs
+
+    class FusedFails(EagerGraphs):
+        def __init__(self, model):
+            super().__init__(model)
+            self.tried = []
+
+        def capture(self, host, shape, cap, pool, head):
+            self.tried.append((pool.name, shape, self.fused[pool.name]))
+            if self.fused[pool.name]:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().capture(host, shape, cap, pool, head)
+
+    m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    c = m.cfg
+    # a 256-row chunk at 512 keys: its product's scores over the bound, the fused mask within
+    monkeypatch.setattr(graphs_mod, "SCORES_MAX", 2 << 20)
+    assert c.n_heads * 256 * 512 * 4 > graphs_mod.SCORES_MAX >= (c.n_heads // c.n_kv_heads) * 256 * 512 * 4
+    ids = [1 + (j * 13) % 3000 for j in range(200)]
+    ref = KVSession(m, 2048, 256)
+    want = ref.prefill(ids, logits_at=(199,))
+    gd = m.graphs = FusedFails(m)
+    gd.fused["prefill"] = True
+    got = KVSession(m, 2048, 256)
+    out = got.prefill(ids, logits_at=(199,))
+    m.graphs = None
+    assert gd.tried == [("prefill", (1, 256), True)] and not gd.fused["prefill"] and not gd.graphs
+    assert torch.allclose(out[199], want[199], atol=1e-4) and got.tokens == ref.tokens
+
+    gd = m.graphs = FusedFails(m)
+    gd.fused["prefill"] = True
+    made = gd.warm(1, 256)
+    m.graphs = None
+    prefills = [k for k in gd.graphs if k[0] == "prefill"]
+    assert not gd.fused["prefill"] and prefills and made == len(gd.graphs)
+    assert all(gd.fits_scores(B, T, cap, fused=False) for _, B, T, cap in prefills), prefills
+    assert {k[2] for k in gd.graphs if k[0] == "decode"} == {512, 1024, 2048}   # warm went on to every capacity
+
+
 def test_the_attention_of_each_kind_of_step_is_timed_and_the_faster_kept(model_path):
     """GraphDecoder.choose_attention (warm's first step on CUDA): each kind timed at its
     largest graph's shape, both ways, and the faster kept; a fused kernel that refuses the

@@ -1,7 +1,8 @@
 """procs/inference/pages.py: a session filled whole (a fork's copy, a restore) sits on
 transparent huge pages, a growing one on 4 KB pages (its capacity runs up to twice its
 length, rows that cost nothing until written there), and huge_pages=False keeps any session
-off them. Read from the process's own AnonHugePages; skipped where the kernel allows none."""
+off them, as does one small enough for malloc's heap. Read from the process's own
+AnonHugePages; skipped unless the kernel's mode is `madvise`."""
 from __future__ import annotations
 
 import re
@@ -15,8 +16,9 @@ from procs.inference.loader import load
 from procs.inference.model import Llama
 
 MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-pytestmark = pytest.mark.skipif(not MODE.exists() or "[never]" in MODE.read_text(),
-                                reason="no transparent huge pages here")
+# under `always` every allocation may get huge pages, and the 4 KB cases cannot be told apart
+pytestmark = pytest.mark.skipif(not MODE.exists() or "[madvise]" not in MODE.read_text(),
+                                reason="transparent huge pages not in madvise mode here")
 
 
 def huge_kb() -> int:
@@ -49,3 +51,44 @@ def test_only_sessions_filled_whole_are_on_huge_pages(model_path):
             else:
                 assert grew < 2048, (fill, grew)
             assert torch.equal(s.k[:, :, :n], src.k[:, :, :n]) and s.tokens == src.tokens
+    # K of 1,024 rows is 23.6 MB: malloc may serve it from its heap, where the advice would
+    # outlive the tensor, so a fork this small stays on 4 KB pages
+    s = KVSession(m, 4096, 512)
+    before = huge_kb()
+    s.copy_prefix(src, 1000)
+    assert huge_kb() - before < 2048 and s.k.numel() * 4 < 32 << 20
+
+
+def test_a_restored_windowed_layer_stays_on_small_pages():
+    """Gemma 3's sliding-window layers get only their last W rows from a checkpoint: on huge
+    pages each would hold 2 MB resident for its few hundred KB, so only the layers written
+    whole (the global ones) are advised; a fork's copy writes every row of every layer and
+    advises them all."""
+    from common.config import Settings
+    from common.models import resolve
+    m = Llama(load(resolve("gemma3-270m", Settings().models_path()), torch.float32, "cpu"), 8192, packed=False)
+    windows = list(m.cfg.windows)
+    n = 6000
+    assert any(windows) and n > max(windows)
+    glob = [li for li, w in enumerate(windows) if not w]
+    src = KVSession(m, 8192, 512)
+    src.reserve(n)
+    src.k[:, :, :n].normal_()
+    src.v[:, :, :n].normal_()
+    src.tokens = list(range(1, n + 1))
+    tokens, k, v = src.export(n)
+    row = m.cfg.n_kv_heads * m.cfg.head_dim * 4                  # bytes per row of a layer
+    layer_kb = -(-n // 512) * 512 * row >> 10                    # a layer's capacity
+    s = KVSession(m, 8192, 512)
+    before = huge_kb()
+    s.import_(tokens, None, k, v)
+    grew = huge_kb() - before
+    # K and V: each global layer's span holds at least one whole 2 MB extent, and at most its own size
+    assert 2 * len(glob) * 2048 <= grew <= 2 * len(glob) * layer_kb, (grew, glob, layer_kb)
+    for li, w in enumerate(windows):
+        r = min(n, w) if w else n
+        assert torch.equal(s.k[li, :, n - r:n], src.k[li, :, n - r:n])
+    fork = KVSession(m, 8192, 512)
+    before = huge_kb()
+    fork.copy_prefix(s, n)
+    assert huge_kb() - before >= 2 * (len(windows) * layer_kb - 2048), "a fork's rows off huge pages"
