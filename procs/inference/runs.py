@@ -292,5 +292,6 @@ class Runs:
         if run.sess is not None:
             run.sess.truncate(0)
             self.sessions.drop(run.sid)
+            self.frontiers.pop(run.sid, None)
         self.send(m.JobError(rid=run.rid, message=f"inference error: {e}", live=(), session=0,
                              resident=tuple(self.sessions.by_id)))

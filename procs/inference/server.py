@@ -231,6 +231,7 @@ class Worker(Placement, Runs):
             del self.jobs[i]
             if job.rid in self.cancelled:
                 self.cancelled.discard(job.rid)
+                self.keep.pop(job.rid, None)
                 self.send(self.done(job.rid, "cancelled"))
                 continue
             if self.send_back(job):

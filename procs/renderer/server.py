@@ -88,6 +88,9 @@ class Renderer(Readiness, Answers, Dispatch):
         self.running: dict[str, Pending] = {}    # rid -> a request inference has (at most s.batch)
         # the resident sessions, least recently used first; None: not known (ask: LiveQuery)
         self.live: dict[int, m.LiveSession] | None = None
+        # sid -> (its LiveSession, the index's version, tokens on disk): /slots looks a
+        # session up again only when either changed (a lookup hashes the session's text)
+        self.on_disk: dict[int, tuple[m.LiveSession, int, int]] = {}
         self.hints: collections.OrderedDict[str, int] = collections.OrderedDict()  # session_hint -> sid
         self.inference: m.InferenceHealth | None = None
         self.last_heard = 0.0
@@ -259,14 +262,21 @@ class Renderer(Readiness, Answers, Dispatch):
             quant = self.inference.quant_bits if self.inference else 0
             live = self.live or {}
             out = []
+            self.on_disk = {sid: c for sid, c in self.on_disk.items() if sid in live}
             for sid, ls in reversed(live.items()):
                 p = running.get(sid)
-                entry = None
-                if self.s.kv_disk_dir and ls.tokens:
-                    entry, _ = self.index.lookup(self.text.piece_bytes(ls.tokens), self.n_ctx, quant, why=False)
+                cached = self.on_disk.get(sid)
+                if cached and cached[0] is ls and cached[1] == self.index.version:
+                    n = cached[2]
+                else:
+                    entry = None
+                    if self.s.kv_disk_dir and ls.tokens:
+                        entry, _ = self.index.lookup(self.text.piece_bytes(ls.tokens), self.n_ctx, quant, why=False)
+                    n = entry.n_tokens if entry else 0
+                    self.on_disk[sid] = (ls, self.index.version, n)
                 out.append(m.SlotState(sid=sid, n_tokens=p.n_prompt + p.n_generated if p else len(ls.tokens),
                                        rid=p.req.rid if p else "", n_decoded=p.n_generated if p else 0,
-                                       on_disk=entry.n_tokens if entry else 0))
+                                       on_disk=n))
             out += [m.SlotState(sid=p.session, n_tokens=p.n_prompt + p.n_generated, rid=p.req.rid, n_decoded=p.n_generated)
                     for p in self.running.values() if p.session not in live]
             return tuple(out)

@@ -1,8 +1,10 @@
 """Worker.drain, the inference loop's reading of its socket, over a real ZeroMQ pair: what a
-CancelJob leaves behind for the job it names."""
+CancelJob leaves behind for the job it names, and what admit does with a job cancelled
+while it waited."""
 from __future__ import annotations
 
 import collections
+import types
 
 import zmq
 
@@ -42,6 +44,14 @@ def test_a_calls_end_is_kept_only_for_a_job_still_there():
         assert w.keep == {"running": 40, "queued": 3}
         assert {"running", "queued", "ended", "running-plain"} <= w.cancelled
         assert [j.rid for j in w.jobs] == ["queued"]
+        # the queued job, cancelled before it began, ends there and takes its count with it
+        w.s, w.stop, w.sent = types.SimpleNamespace(batch=4), False, []
+        w.sessions = types.SimpleNamespace(by_id={})
+        w.send = w.sent.append
+        w.busy = lambda: set()
+        w.admit()
+        assert [(d.rid, d.reason) for d in w.sent] == [("queued", "cancelled")] and not w.jobs
+        assert w.keep == {"running": 40} and "queued" not in w.cancelled
     finally:
         push.close(0)
         w.pull.close(0)

@@ -28,7 +28,7 @@ class Loop(Runs):
 
     def __init__(self):
         self.active, self.sent, self.n_ctx, self.clock = {}, [], 2048, 0
-        self.cancelled, self.keep = set(), {}
+        self.cancelled, self.keep, self.frontiers = set(), {}, {}
         self.log = logging.getLogger("inference")
         self.guides = types.SimpleNamespace(start=lambda c: None)
         self.disk = types.SimpleNamespace(enabled=False)
@@ -153,8 +153,11 @@ def test_a_failed_shared_step_fails_its_runs_only(model, monkeypatch):
     def broken(*args):
         raise RuntimeError("device lost")
     monkeypatch.setattr(model.graphs, "prefill_many", broken)
+    a.sid, b.sid, c.sid = 1, 2, 3
+    loop.frontiers = {1: 64, 2: 64, 3: 64}
     loop.prefill_together([a, b], 1)
     assert set(loop.active) == {"c"} and len(c.sess) == 0
+    assert loop.frontiers == {3: 64}           # the failed sessions' save points go with them
     errors = [e for e in loop.sent if isinstance(e, m.JobError)]
     assert sorted(e.rid for e in errors) == ["a", "b"] and "device lost" in errors[0].message
 

@@ -217,3 +217,24 @@ def test_a_step_longer_than_the_silence_limit_is_not_a_dead_process(renderer):
         assert time.monotonic() - r.last_heard > rs.INFERENCE_SILENCE_S
     r.housekeeping()
     assert "slow" not in r.running and "has not answered" in r.out.of("web", m.Failed)[-1].message
+
+
+def test_slots_look_a_session_up_on_disk_only_when_it_or_the_index_changed(renderer, monkeypatch):
+    """GET /slots answers each resident session's longest checkpoint; a lookup hashes the
+    session's whole text, so it is made again only for a new session state or a new index."""
+    r = renderer
+    ids = r.text.encode(PROMPT.encode())
+    r.on_event(m.PersisterState(boot="p-1", index=m.IndexSnapshot(entries=(), version=1)))
+    r.mirror((m.LiveSession(sid=1, tokens=tuple(ids)), m.LiveSession(sid=2, tokens=tuple(ids[:9]))))
+    looked = []
+    real = r.index.lookup
+    monkeypatch.setattr(r.index, "lookup", lambda *a, **k: looked.append(a[0]) or real(*a, **k))
+    assert [(x.sid, x.on_disk) for x in r.slot_states()] == [(2, 0), (1, 0)] and len(looked) == 2
+    r.slot_states()
+    assert len(looked) == 2
+    half = r.text.piece_bytes(ids[:len(ids) // 2])
+    r.on_event(m.IndexSnapshot(entries=(entry_for(r, half),), version=2))
+    assert {x.sid: x.on_disk for x in r.slot_states()} == {1: len(ids) // 2, 2: 0} and len(looked) == 4
+    r.mirror((m.LiveSession(sid=1, tokens=tuple(ids)), m.LiveSession(sid=3, tokens=tuple(ids[:5]))))
+    r.slot_states()
+    assert len(looked) == 6 and set(r.on_disk) == {1, 3}      # both states new; sid 2 forgotten
