@@ -134,7 +134,8 @@ def test_a_long_prompt_is_prefilled_between_the_steps_of_a_streaming_answer(tmp_
             if first is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
                 first = time.monotonic()
             usage = chunk.usage or usage
-        a.join(300)
+        a.join(300)   # ~12 s alone in f32 on 2 cores; a failure here carries the server's log
+        assert not a.is_alive(), f"the numbers' stream still running after 300 s ({len(text)} pieces)"
     assert usage.prompt_tokens > 3 * 256          # several chunks to prefill
     during = [t for t in times if sent < t < first]
     # the first stream went on while the long prompt was prefilled (one step per chunk at
