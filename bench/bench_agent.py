@@ -30,7 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_model import cpu_name, extra_bufts_work  # noqa: E402
+from bench.llamacpp import extra_bufts_work  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from bench.report import emit, log  # noqa: E402
 from common.config import Settings  # noqa: E402
 from common.models import resolve  # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.bench_model import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from bench.report import emit, log  # noqa: E402
 from common.config import Settings  # noqa: E402
 from common.models import resolve  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_agent import conversation  # noqa: E402
-from bench.bench_model import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from common.config import Settings  # noqa: E402
 from common.models import load_text, resolve  # noqa: E402
 from procs.renderer.encoding import PromptEncoder  # noqa: E402

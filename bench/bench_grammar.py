@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from bench_grammar_libs import cpu_info, gen_tools  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
+from bench_grammar_libs import gen_tools  # noqa: E402
 from common.config import Settings  # noqa: E402
 from common.models import load_text, resolve  # noqa: E402
 from common import messages as m  # noqa: E402
@@ -46,8 +47,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
     a = ap.parse_args()
-    name, flags = cpu_info()
-    print(f"CPU: {name}, {os.cpu_count()} cores; flags: {' '.join(flags)}")
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
     print(describe())
     s = Settings.load("inference", [])
     model, n_ctx, _ = build(s)

@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.machine import cpu_name  # noqa: E402
 from common.models import DEFAULT_FILE, load_text  # noqa: E402
 
 SUFFIX = "\n</tool_call>"
@@ -218,20 +219,12 @@ def step_costs(lib, compiled, ids, eos, repeats):
     return statistics.median(times), times[int(0.9 * (len(times) - 1))], statistics.median(first), bad
 
 
-def cpu_info() -> tuple[str, list[str]]:
-    info = dict(ln.split(":", 1) for ln in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines())
-    flags = info["flags\t\t"].split()
-    return info["model name\t"].strip(), [f for f in flags if f in ("avx2", "avx512f", "avx512_bf16")
-                                           or f.startswith("amx")]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.path.expanduser(f"~/.cache/ricordo/models/{DEFAULT_FILE}"))
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args()
-    name, flags = cpu_info()
-    print(f"CPU: {name}, {os.cpu_count()} cores; flags: {' '.join(flags) or 'none of avx2/avx512f/avx512_bf16/amx'}")
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
     t, tools = load_text(a.model), gen_tools()
     big, rng = tool_call_schema(tools), random.Random(7)
     # the call the mask is stepped through: the biggest tool's arguments, model-style spacing

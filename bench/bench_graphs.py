@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_model import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from common.config import Settings  # noqa: E402
 from procs.inference.kvsession import KVSession, decode_many, prefill_many  # noqa: E402
 from procs.inference.runtime import build  # noqa: E402

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.bench_model import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from bench.report import emit, log  # noqa: E402
 from procs.inference import native  # noqa: E402
 from procs.inference.native_attention import DecodeAttention  # noqa: E402

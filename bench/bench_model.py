@@ -24,7 +24,6 @@ import gc
 import os
 import platform
 import random
-import resource
 import statistics
 import sys
 import time
@@ -39,87 +38,13 @@ from procs.inference.model import Llama  # noqa: E402
 from procs.inference.kvsession import KVSession  # noqa: E402
 from procs.inference.runtime import build  # noqa: E402
 from common.models import resolve  # noqa: E402
+from bench.llamacpp import TOKEN_HI, TOKEN_LO, measure_llama_cpp, peak_rss_children, rand_ids  # noqa: E402
+from bench.machine import QUIET, Timer, cpu_name, rss_mb, run_delay_s, wait_quiet  # noqa: E402
 from bench.report import emit, log  # noqa: E402
 
 PREFILL_TARGET = 2.0   # >= 2x llama.cpp
 DECODE_TARGET = 1.0    # >= llama.cpp
-TOKEN_LO, TOKEN_HI = 100, 49000
 
-
-def rss_mb() -> tuple[float, float]:
-    """(current, peak) resident set size in MiB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0   # KiB on Linux
-    try:
-        import psutil
-        cur = psutil.Process().memory_info().rss / 2**20
-    except ImportError:
-        with open("/proc/self/statm") as f:
-            cur = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    return cur, peak
-
-
-def run_delay_s() -> float:
-    """Seconds this process's threads have spent runnable but waiting for a CPU."""
-    tot = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                tot += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    return tot / 1e9
-
-
-def cpu_idle(window: float) -> float:
-    """Machine-wide idle fraction over `window` seconds (/proc/stat; 1.0 when unreadable)."""
-    def snap():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-        return v[3] + v[4], sum(v)       # idle + iowait, total
-    try:
-        i0, t0 = snap()
-        time.sleep(window)
-        i1, t1 = snap()
-    except OSError:
-        return 1.0
-    return (i1 - i0) / max(t1 - t0, 1)
-
-
-QUIET = {"max_s": 0.0, "idle": 0.7, "waited_s": 0.0}
-
-
-def wait_quiet() -> None:
-    """Before a timed sample: wait (at most --wait-quiet s) until other processes leave the
-    CPUs mostly idle, so that fewer samples land in someone else's test run."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < QUIET["max_s"]:
-        if cpu_idle(0.5) >= QUIET["idle"]:
-            break
-    QUIET["waited_s"] += time.perf_counter() - t0
-
-
-class Timer:
-    """Wall time plus contention: run-queue wait / (wall * threads), 0 = had the CPUs to itself."""
-
-    def __init__(self, quiet: bool = True):
-        self.quiet = quiet
-
-    def __enter__(self):
-        if self.quiet:
-            wait_quiet()
-        self.d0, self.t0 = run_delay_s(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.s = time.perf_counter() - self.t0
-        self.wait = (run_delay_s() - self.d0) / max(self.s * torch.get_num_threads(), 1e-9)
-
-
-def rand_ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
-
-
-# --- machine roofline -------------------------------------------------------------------
 
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int,
                   min_s: float = 0.1) -> tuple[float, float]:
@@ -247,135 +172,6 @@ def weight_kind(lin) -> str:
     if lin.mat is not None:
         return native.KIND_NAMES[lin.mat.kind]
     return lin.kind or "dense"
-
-
-def cpu_name() -> str:
-    """The CPU model and the flags that decide the kernels (named next to every figure)."""
-    try:
-        info = open("/proc/cpuinfo").read().split("\n\n")[0]
-    except OSError:
-        return platform.processor()
-    fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
-    flags = [f for f in fields.get("flags\t\t", "").split() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")]
-    name = fields.get("model name\t", "?").strip()
-    out = f"{name} ({' '.join(flags) or 'no avx2'})"
-    march, aten = os.environ.get("RICORDO_KERNEL_MARCH", "native"), os.environ.get("ATEN_CPU_CAPABILITY", "")
-    if march != "native" or aten:   # `make bench-avx2`: another machine class emulated on this one
-        out += f", emulating a narrower CPU: kernels -march={march}, torch {aten or 'default'}"
-        try:
-            import llama_cpp
-            info = llama_cpp.llama_print_system_info().decode()
-            out += ", llama.cpp " + " ".join(f.split(" =")[0].strip() for f in info.split("|")
-                                             if f.strip().endswith("= 1") and "AVX" in f)
-        except Exception:   # noqa: BLE001 - no peer installed: nothing to name
-            pass
-    return out
-
-
-def extra_bufts_work(path: str, threads: int) -> bool:
-    """Whether llama.cpp with its default CPU buffer types survives a short eval of this file
-    (checked in a child process: a crash there is a segfault)."""
-    code = ("import sys; from llama_cpp import Llama; "
-            "m = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), verbose=False); "
-            "m.eval([1, 2, 3, 4])")
-    import subprocess
-    r = subprocess.run([sys.executable, "-c", code, path, str(threads or os.cpu_count())],
-                       capture_output=True, timeout=300)
-    return r.returncode == 0
-
-
-# each prints its VmHWM (the peak of its own memory map: ru_maxrss would carry the parent's
-# peak over fork and exec)
-_PEAK = "print(next(int(ln.split()[1]) for ln in open('/proc/self/status') if ln.startswith('VmHWM')) / 1024)"
-RSS_CHILD = {
-    "ricordo": ("import sys, random; sys.path.insert(0, sys.argv[5]); "
-                "from common.config import Settings; from procs.inference.runtime import build; "
-                "from procs.inference.kvsession import KVSession; "
-                "m, ctx, _ = build(Settings.load('inference', ['--model', sys.argv[1], '--ctx-size', sys.argv[2], "
-                "'--threads', sys.argv[3], '--dtype', sys.argv[6]])); r = random.Random(0); "
-                "s = KVSession(m, ctx, 512); s.prefill([r.randrange(100, 40000) for _ in range(int(sys.argv[4]))]); "
-                "[s.decode(r.randrange(100, 40000)) for _ in range(16)]; " + _PEAK),
-    "llama.cpp": ("import sys, random; from llama_cpp import Llama; import llama_cpp.llama_cpp as lcc; "
-                  # argv[7] == 'plain': without the extra CPU buffer types (they crash on this file here)
-                  "dp = lcc.llama_model_default_params; "
-                  "pp = lambda: (lambda p: (setattr(p, 'use_extra_bufts', False), p)[1])(dp()); "
-                  "lcc.llama_model_default_params = pp if sys.argv[7] == 'plain' else dp; "
-                  "m = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]), "
-                  "n_batch=512, verbose=False); r = random.Random(0); "
-                  "m.eval([r.randrange(100, 40000) for _ in range(int(sys.argv[4]))]); "
-                  "[m.eval([r.randrange(100, 40000)]) for _ in range(16)]; " + _PEAK),
-}
-
-
-def peak_rss_children(path: str, ctx: int, prompt: int, threads: int, dtype: str, peer: bool,
-                      plain: bool = False) -> dict:
-    """Peak RSS (MiB) of a fresh process that loads the model with a context of ctx tokens,
-    prefills prompt tokens and decodes 16: ricordo's inference and, when peer, llama.cpp's,
-    each alone (a shared process would report the larger of the two)."""
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = {"context": ctx, "prompt": prompt}
-    for name, code in RSS_CHILD.items():
-        if name == "llama.cpp" and not peer:
-            continue
-        r = subprocess.run([sys.executable, "-c", code, path, str(ctx), str(threads), str(prompt), root, dtype,
-                            "plain" if plain else "extra"],
-                           capture_output=True, text=True, timeout=1800)
-        if r.returncode == 0:
-            out[name] = float(r.stdout.strip().splitlines()[-1])
-            log(f"  peak RSS, {name} alone (context {ctx}, {prompt}-token prompt): {out[name]:.0f} MiB")
-        else:
-            log(f"  peak RSS, {name}: the child failed: {r.stderr.strip().splitlines()[-1:]}")
-    return out
-
-
-def measure_llama_cpp(path: str, sizes, dctx, steps: int, threads: int, reps: int, rng) -> dict | None:
-    """llama.cpp on the same GGUF, same threads, same prompt lengths, in this run (through
-    llama-cpp-python, built for this CPU by pip); None when it is not installed."""
-    try:
-        from llama_cpp import Llama as LlamaCpp
-    except ImportError:
-        log("llama.cpp: not measured (pip install llama-cpp-python builds it for this CPU)")
-        return None
-    need = max(list(sizes) + [n + steps + 1 for n in dctx] + [512])
-    plain = not extra_bufts_work(path, threads)
-    if plain:   # ggml's repacked CPU buffers (AMX / AVX-512 repack) crash on this file here
-        log("  llama.cpp: its extra CPU buffer types (weight repacking) crash on this model and CPU; "
-            "measured without them (use_extra_bufts=False)")
-        import llama_cpp.llama_cpp as lcc
-        default_params = lcc.llama_model_default_params
-
-        def plain_params():
-            p = default_params()
-            p.use_extra_bufts = False
-            return p
-        lcc.llama_model_default_params = plain_params
-    with Timer() as t:
-        lc = LlamaCpp(model_path=path, n_ctx=need, n_threads=threads, n_threads_batch=threads,
-                      n_batch=512, verbose=False)
-    out = {"load_s": t.s, "prefill": {}, "decode": {}, "extra_bufts": not plain}
-    for n in sorted(set(sizes) | set(dctx)):
-        if n + (steps + 1 if n in dctx else 0) > need:
-            continue
-        times = []
-        for _ in range(reps if n in sizes else 1):
-            ids = rand_ids(rng, n)
-            lc.reset()                    # eval drops the KV rows past n_tokens
-            with Timer() as t:
-                lc.eval(ids)
-            times.append(t.s)
-        if n in sizes:
-            out["prefill"][n] = n / statistics.median(times)
-            log(f"  llama.cpp prefill {n}: {out['prefill'][n]:.1f} tok/s")
-        if n in dctx:
-            per = []
-            for tok in rand_ids(rng, steps):
-                with Timer() as t:
-                    lc.eval([tok])
-                per.append(t.s)
-            out["decode"][n] = 1.0 / statistics.median(per)
-            log(f"  llama.cpp decode @{n}: {out['decode'][n]:.1f} tok/s")
-    return out
 
 
 def run(args) -> dict:

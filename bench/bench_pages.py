@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_model import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 
 
 def child(a) -> dict:

@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_agent import conversation  # noqa: E402
-from bench.bench_model import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from bench.report import emit, log  # noqa: E402
 from common.config import Settings  # noqa: E402
 from tests.e2e.server import Server, value  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_model import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from bench.report import emit  # noqa: E402
 from common import messages as m  # noqa: E402
 from common.config import Settings  # noqa: E402

@@ -26,7 +26,7 @@ from common.config import Settings                     # noqa: E402
 from procs.inference.kvsession import KVSession        # noqa: E402
 from procs.inference.model import _mask                # noqa: E402
 from procs.inference.runtime import build              # noqa: E402
-from bench.bench_model import cpu_name                 # noqa: E402
+from bench.machine import cpu_name                 # noqa: E402
 
 
 def attention_only(model, n: int, chunk: int, repeats: int) -> dict:
