@@ -31,6 +31,9 @@ class Settings:
     dtype: str = opt("auto", "compute dtype", ("generate", "inference"), ("auto", "bf16", "f32", "f16"))
     device: str = opt("auto", "torch device (auto = cuda when present)", ("generate", "inference"))
     threads: int = opt(0, "torch CPU threads (0 = torch default)", ("generate", "inference"))
+    adapt_threads: bool = opt(True, "decode on the CPU times its own steps and runs them on fewer threads while "
+                              "that is faster (another process taking a core), back to --threads when it is not; "
+                              "answers are the same at any count", ("generate", "inference"))
     ctx_size: int = opt(0, "context size in tokens (0 = the model's trained context, as far as its K/V fits in a "
                         "quarter of the memory; above the trained context works, with a warning)", ("generate", "renderer", "inference", "web"))
     decode_weights: str = opt("packed", "what decode reads on the CPU: packed copies (int4 groups for 4-bit sources, "

@@ -65,6 +65,11 @@ class Metrics:
         self.shared_rows = Counter("ricordo_decode_shared_rows",
                                    "K/V rows a batched decode step read once for two sequences or more "
                                    "(each sharing sequence's rows counted once a step)")
+        self.decode_threads = Gauge("ricordo_decode_threads", "CPU threads decode steps run on now (--adapt-threads "
+                                    "moves it below --threads while that is faster)", multiprocess_mode="livesum")
+        self.thread_probes = Counter("ricordo_decode_thread_probes", "probes of another decode thread count, by "
+                                     "outcome (kept: the current count was faster; switched; no idle core: "
+                                     "more threads not tried, the machine had no idle CPU for them)", ["outcome"])
         self.live_sessions = Gauge("ricordo_live_sessions", "KV sessions resident in memory",
                                    multiprocess_mode="livesum")
         self.resident_bytes = Gauge("ricordo_resident_kv_bytes", "K/V bytes of the resident sessions",

@@ -49,6 +49,7 @@ def _generate(argv) -> int:
     from common.detok import Detokenizer
     from procs.inference.kvsession import KVSession, decode_many
     from procs.inference.sampling import Sampler
+    from procs.inference.threads import DecodeThreads
 
     prompt = a.prompt
     if a.chat:
@@ -61,6 +62,7 @@ def _generate(argv) -> int:
         print(f"error: prompt of {len(ids)} tokens does not fit the context of {ctx}", file=sys.stderr)
         return 2
     sess = KVSession(model, ctx, s.chunk_size, exact=s.deterministic)
+    threads = DecodeThreads(torch.get_num_threads(), s.adapt_threads and model.device.type == "cpu")
     t0 = time.perf_counter()
     sess.prefill(ids)
     t1 = time.perf_counter()
@@ -75,7 +77,7 @@ def _generate(argv) -> int:
         sys.stdout.flush()
         if len(sess) >= ctx:
             break
-        logits = decode_many([sess], [tok])[0]      # a batch of one: CUDA replays its graph
+        logits = threads.step(lambda: decode_many([sess], [tok])[0])   # a batch of one: CUDA replays its graph
     t2 = time.perf_counter()
     sys.stdout.write(detok.flush() + "\n")
     print(f"[load {load_s:.2f} s | prefill {len(ids)} tok {len(ids) / (t1 - t0):.1f} tok/s | "

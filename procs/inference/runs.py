@@ -2,7 +2,7 @@
 and then decodes, and every decoding run advances in one batched step (kvsession.decode_many:
 one read of each weight for all of them). A mixin of Worker (procs/inference/server.py),
 whose state it uses: s, active, sessions, frontiers, disk, guides, keep, cancelled, n_ctx,
-send, start, make_room, log.
+threads, send, start, make_room, log.
 
 Order: the loop (Worker.run) gives at most one chunk's worth of prompt tokens to the
 prefilling runs (prefill_step), then one decode step to every decoding run, so a long prompt
@@ -223,7 +223,7 @@ class Runs:
             return going
         metrics.M.batch_size.observe(len(going))
         shared = self.sharing.rows
-        rows = decode_many([r.sess for r in going], tokens, self.sharing)
+        rows = self.threads.step(lambda: decode_many([r.sess for r in going], tokens, self.sharing), len(going))
         metrics.M.shared_rows.inc(self.sharing.rows - shared)
         for run, logits in zip(going, rows):
             run.logits = logits

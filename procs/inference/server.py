@@ -16,6 +16,7 @@ import time
 import os
 import uuid
 
+import torch
 import zmq
 
 from common import kvfile
@@ -34,6 +35,7 @@ from procs.inference.placement import Placement
 from procs.inference.runs import Run, Runs
 from procs.inference.runtime import build, explain
 from procs.inference.sessions import Sessions, budget_bytes
+from procs.inference.threads import DecodeThreads
 
 MAX_CANCELLED = 10_000      # remembered cancels beyond which those of unknown jobs are forgotten
 BUSY_EVERY_S = 2.0          # Heartbeat: how often a running step is announced
@@ -117,6 +119,7 @@ class Worker(Placement, Runs):
         self.disk = Disk(s, self.model, self.n_ctx, run_dir(s), self.send_persister, self.drain, log)
         self.frontiers: dict[int, int] = {}   # sid -> its last continued checkpoint position
         self.sharing = Sharing()               # rows the batched sessions hold alike
+        self.threads = DecodeThreads(torch.get_num_threads(), s.adapt_threads and self.model.device.type == "cpu", log)
         self.jobs: collections.deque[m.Job] = collections.deque()   # received, not begun
         self.active: dict[str, Run] = {}       # rid -> the job in flight (at most s.batch), in begin order
         self.clock = 0                         # prompt tokens prefilled so far (runs.py: the prefill order)

@@ -29,7 +29,7 @@ def run(tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace") / "trace.txt"
     env = {"RICORDO_KV_DISK_DIR": str(kv), "RICORDO_TRACE": str(trace),
            "RICORDO_KV_CACHE_MIN_TOKENS": "32", "RICORDO_KV_CACHE_BOUNDARY_ALIGN_TOKENS": "32",
-           "RICORDO_KV_CACHE_BOUNDARY_TRIM_TOKENS": "4"}
+           "RICORDO_KV_CACHE_BOUNDARY_TRIM_TOKENS": "4", "RICORDO_THREADS": "2"}
     with Server(env=env, name="observability") as srv:
         c = srv.client()
         model = srv.health["model"]
@@ -44,7 +44,7 @@ def run(tmp_path_factory):
         time.sleep(3)    # the persister's gauges and last writes
         with srv.http() as h:
             text = h.get("/metrics").text
-        yield {"kv": kv, "trace": trace, "usages": [r1.usage, r2.usage], "metrics": samples(text),
+        yield {"srv": srv, "kv": kv, "trace": trace, "usages": [r1.usage, r2.usage], "metrics": samples(text),
                "walls": [b - a for a, b in zip(walls, walls[1:])]}
 
 
@@ -107,3 +107,20 @@ def test_cache_cli_sees_the_servers_files(run):
     victim.write_bytes(bytes(data))
     bad = cache_cli(kv, "verify")
     assert bad.returncode != 0 and on_disk[0] in bad.stdout + bad.stderr
+
+
+def test_decode_measures_another_thread_count_and_says_which_it_runs_on(run):
+    """Last in this file: its answer writes checkpoints the tests above do not expect."""
+    srv = run["srv"]
+    assert value(run["metrics"], "ricordo_decode_threads") == 2     # --threads 2, before any probe
+    r = srv.client().chat.completions.create(model=srv.health["model"], max_tokens=600, temperature=0,
+                                             messages=[{"role": "user", "content": "Count to fifty."}],
+                                             extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 600
+    m = srv.metrics()
+    # a probe after 0.1 s of decode, for 0.4 s (either outcome, by this machine's load): 600 steps
+    # last 0.6 s at 1,000 tokens/s
+    probes = value(m, "ricordo_decode_thread_probes_total", outcome="kept") + \
+        value(m, "ricordo_decode_thread_probes_total", outcome="switched")
+    assert probes >= 1, [k for k in m if "thread" in k[0]]
+    assert value(m, "ricordo_decode_threads") in (1, 2)
