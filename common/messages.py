@@ -194,7 +194,8 @@ class SlotFreed(msgspec.Struct, tag="slot_freed", frozen=True):
 
 
 class PersisterHello(msgspec.Struct, tag="persister_hello", frozen=True):
-    """A (re)started persister: every slot it may have been reading is free again."""
+    """A (re)started persister: inference sends it the save of every busy slot again (it skips
+    those it already did, by slot and seq, and frees them again)."""
     pid: int
 
 

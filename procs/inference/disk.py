@@ -45,6 +45,7 @@ class Disk:
                                         n_layers=c.n_layers, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                         vocab_size=c.vocab_size, kv_dtype=self.kv_dtype)
         self.pool = None
+        self.handed: dict[int, m.SaveCheckpoint] = {}   # busy slot -> the save it carries
         self.stuck = False       # the persister freed nothing within SLOT_WAIT_S: it may be down
         self.seq = int(time.time() * 1000)   # save sequence numbers, unique across restarts
         self.last_restore_bytes = 0
@@ -69,12 +70,25 @@ class Disk:
     def slot_freed(self, i: int, seq: int) -> None:
         if self.pool:
             self.pool.release(i, seq)
+            if i not in self.pool.busy:
+                self.handed.pop(i, None)
             self.stuck = False
 
-    def all_free(self) -> None:
-        if self.pool:
-            self.pool.busy.clear()
-            self.stuck = False
+    def persister_hello(self) -> None:
+        """A persister (re)started: every busy slot's save goes to it again. Freeing them
+        instead lost saves: the hello of a persister that started first can arrive after
+        inference handed it a slot (ZeroMQ connects it once inference binds), and the slot,
+        freed and reused, was dropped mid-write. The persister skips a save it already did
+        (slot and seq) and frees it again; one it never got, or lost in a crash, it writes."""
+        if not self.pool:
+            return
+        for i, seq in list(self.pool.busy.items()):
+            msg = self.handed.get(i)
+            if msg is not None and msg.seq == seq:
+                self.send(msg)
+            else:
+                self.pool.release(i, seq)
+        self.stuck = False
 
     # -- saving --
     def save(self, sess: KVSession, n: int, logits: torch.Tensor | None, reason: int) -> bool:
@@ -98,9 +112,10 @@ class Disk:
         g, c = self.geometry, self.model.cfg
         nbytes = self.pool.write(i, sess.tokens, logits, sess.k, sess.v, n, self.seq,
                                  g.rows(n) if g.windowed else None)
-        self.send(m.SaveCheckpoint(slot=i, seq=self.seq, slot_path=self.pool.paths[i], nbytes=nbytes,
-                                   tokens=tuple(sess.tokens[:n]), reason=reason, geometry=g,
-                                   quant_bits=c.quant_bits, fingerprint=self.model.fingerprint))
+        msg = self.handed[i] = m.SaveCheckpoint(slot=i, seq=self.seq, slot_path=self.pool.paths[i], nbytes=nbytes,
+                                                tokens=tuple(sess.tokens[:n]), reason=reason, geometry=g,
+                                                quant_bits=c.quant_bits, fingerprint=self.model.fingerprint)
+        self.send(msg)
         return True
 
     # -- restoring --

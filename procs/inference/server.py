@@ -165,7 +165,7 @@ class Worker(Placement, Runs):
             elif isinstance(msg, m.SlotFreed):
                 self.disk.slot_freed(msg.slot, msg.seq)
             elif isinstance(msg, m.PersisterHello):
-                self.disk.all_free()
+                self.disk.persister_hello()
             elif isinstance(msg, m.LiveQuery):
                 self.send(m.LiveState(rid="", boot=self.boot, sessions=self.sessions.state(),
                                       busy=bool(self.active or self.jobs)))

@@ -56,6 +56,7 @@ class Persister:
         self.stop = StopFlag()
         self.tool_ids: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self.warned: set[str] = set()
+        self.done: dict[int, int] = {}      # slot -> seq of the last save handled from it
         if self.store and self.store.usable and not s.disable_exact_tool_replay:
             for sha1 in list(self.store.index):   # ids of earlier runs, for the files written next
                 self.remember(self.store.read_ktm(sha1, s.tool_memory_max_ids).items())
@@ -139,6 +140,9 @@ class Persister:
     def save(self, msg: m.SaveCheckpoint) -> None:
         t0 = time.perf_counter()
         mm = body = None
+        if self.done.get(msg.slot) == msg.seq:   # sent again after our hello: done already
+            self.send(self.to_inference, m.SlotFreed(slot=msg.slot, seq=msg.seq))
+            return
         try:
             if self.store is None:
                 return
@@ -174,6 +178,7 @@ class Persister:
                     mm.close()
                 except BufferError:   # a view still alive after a failure; GC frees the map
                     pass
+            self.done[msg.slot] = msg.seq
             self.send(self.to_inference, m.SlotFreed(slot=msg.slot, seq=msg.seq))
 
     def send_state(self) -> None:
