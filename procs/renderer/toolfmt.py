@@ -138,6 +138,17 @@ def _partial(f: Format) -> re.Pattern:
 _DECODER = json.JSONDecoder()
 
 
+def whole_value(args: str) -> str:
+    """A cut call's arguments: the JSON value alone where it is whole (the limit may cut in
+    the wrapper after it: '{"city": "Paris"}}\n</'), else the text so far."""
+    body = args.lstrip()
+    try:
+        _, end = _DECODER.raw_decode(body)
+    except ValueError:
+        return args
+    return body[:end]
+
+
 class Incomplete(Exception):
     """The text so far could still become a valid call block."""
 

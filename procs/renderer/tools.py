@@ -274,7 +274,8 @@ class CallParser:
     def flush(self) -> str:
         """At the end: content still held back, or the block as text if no call parsed. A call
         left open (the token limit) whose name is complete becomes `cut` (id, name, the
-        arguments so far), as OpenAI returns a truncated call; the opener the prompt ended with
+        arguments so far; once they are a whole JSON value, that value without the wrapper's
+        closing text the limit cut after it), as OpenAI returns a truncated call; the opener the prompt ended with
         is never returned as text."""
         if not self.content_done:
             out, self.buf = self.buf, ""
@@ -285,7 +286,7 @@ class CallParser:
         partial = toolfmt.FENCED_PARTIAL if self.fence == 1 else self.fmt.partial()
         m_ = partial.match(tail) if self.more else None
         if m_ is not None:
-            self.cut = (self.fmt.new_id(), m_.group(1), m_.group(2))
+            self.cut = (self.fmt.new_id(), m_.group(1), toolfmt.whole_value(m_.group(2)))
             return ""
         if not self.calls:
             return self.block[len(self.opened):] if self.block.startswith(self.opened) else self.block

@@ -109,6 +109,23 @@ def test_a_call_cut_by_the_token_limit(fmt):
     assert p.cut is not None and p.cut[1:] == ("get_weather", '{"city": "')
 
 
+@pytest.mark.parametrize("fmt", [toolfmt.HERMES, toolfmt.MISTRAL], ids=lambda f: f.name)   # [ARGS] calls have no wrapper after them
+def test_a_call_cut_after_its_arguments_returns_them_whole(fmt):
+    """The limit cuts in the wrapper's closing text: the arguments come back as the whole
+    object, not with the wrapper's '}' and '</' (found with the openai SDK at max_tokens=20)."""
+    block = generated(fmt, [("get_weather", {"city": "Oslo"})])
+    end = block.index("Oslo") + len('Oslo"}')
+    cuts = 0
+    for cut in range(end, len(block)):
+        p = t.CallParser(fmt=fmt)
+        stream(p, block[:cut])
+        p.flush()
+        if p.cut is not None:                                   # not yet a closed call
+            cuts += 1
+            assert json.loads(p.cut[2]) == {"city": "Oslo"}, (cut, p.cut)
+    assert cuts >= 1
+
+
 def test_prose_is_never_a_call():
     for fmt, text in ((toolfmt.LLAMA3, 'Use {"name" as a key; then {"x": 1}.'),
                       (toolfmt.MISTRAL, "[TOOL_CALLS] is a token, not [1, 2]."),
