@@ -35,18 +35,13 @@ def run_delay_s() -> float:
 
 
 def cpu_idle(window: float) -> float:
-    """Machine-wide idle fraction over `window` seconds (/proc/stat; 1.0 when unreadable)."""
-    def snap():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-        return v[3] + v[4], sum(v)       # idle + iowait, total
-    try:
-        i0, t0 = snap()
-        time.sleep(window)
-        i1, t1 = snap()
-    except OSError:
-        return 1.0
-    return (i1 - i0) / max(t1 - t0, 1)
+    """Machine-wide idle fraction over `window` seconds (/proc/stat; 1.0 when unreadable).
+    Called only by benches that time the model, so the import costs nothing there."""
+    from procs.inference.threads import cpu_ticks
+    i0, t0 = cpu_ticks()
+    time.sleep(window)
+    i1, t1 = cpu_ticks()
+    return (i1 - i0) / (t1 - t0) if t1 > t0 else 1.0
 
 
 QUIET = {"max_s": 0.0, "idle": 0.7, "waited_s": 0.0}

@@ -62,7 +62,7 @@ def _generate(argv) -> int:
         print(f"error: prompt of {len(ids)} tokens does not fit the context of {ctx}", file=sys.stderr)
         return 2
     sess = KVSession(model, ctx, s.chunk_size, exact=s.deterministic)
-    threads = DecodeThreads(torch.get_num_threads(), s.adapt_threads and model.device.type == "cpu")
+    threads = DecodeThreads.for_model(s, model)
     t0 = time.perf_counter()
     sess.prefill(ids)
     t1 = time.perf_counter()

@@ -311,7 +311,7 @@ class Sharing:
 
 def decode_many(sessions: list[KVSession], tokens: list[int], sharing: Sharing | None = None) -> list[torch.Tensor]:
     """Append tokens[b] to sessions[b] (distinct sessions of one model) in one batched decode
-    step (Llama.decode_batch, or on CUDA a replayed graph of graphs.static_step); returns and
+    step (Llama.decode_batch, or on CUDA a replayed graph of graph_step.static_step); returns and
     keeps each session's new logits. sharing: read the rows sessions hold alike
     once (the native decoder; a bit-identical result either way)."""
     for s in sessions:

@@ -16,7 +16,6 @@ import time
 import os
 import uuid
 
-import torch
 import zmq
 
 from common import kvfile
@@ -119,7 +118,7 @@ class Worker(Placement, Runs):
         self.disk = Disk(s, self.model, self.n_ctx, run_dir(s), self.send_persister, self.drain, log)
         self.frontiers: dict[int, int] = {}   # sid -> its last continued checkpoint position
         self.sharing = Sharing()               # rows the batched sessions hold alike
-        self.threads = DecodeThreads(torch.get_num_threads(), s.adapt_threads and self.model.device.type == "cpu", log)
+        self.threads = DecodeThreads.for_model(s, self.model, log)
         self.jobs: collections.deque[m.Job] = collections.deque()   # received, not begun
         self.active: dict[str, Run] = {}       # rid -> the job in flight (at most s.batch), in begin order
         self.clock = 0                         # prompt tokens prefilled so far (runs.py: the prefill order)

@@ -77,6 +77,12 @@ class DecodeThreads:
     native kernels share torch's OpenMP runtime) and records its wall time; everything else
     (prefill, sampling) keeps the configured count. Periods count decode time only."""
 
+    @classmethod
+    def for_model(cls, s, model, log=None) -> "DecodeThreads":
+        """The configured count (torch's, as build() set it), adapting where --adapt-threads
+        is on and the model runs on the CPU."""
+        return cls(torch.get_num_threads(), s.adapt_threads and model.device.type == "cpu", log)
+
     def __init__(self, full: int, enabled: bool = True, log=None, ticks=cpu_ticks, n_cpus: int = 0):
         self.counts = candidates(full)
         self.ticks, self.n_cpus = ticks, n_cpus or os.cpu_count() or 1
@@ -90,9 +96,10 @@ class DecodeThreads:
         self.probe: list[list] | None = None   # blocks: [count index, seconds, steps]
         self.other = 0
         self.shape = None                # the shape of the steps being timed (batch size)
-        self.ref: float | None = None    # seconds a step at the current count, last measured
-        self.ref_shape = None
-        self.recent: tuple[float, object] | None = None   # the last watch window: s a step, shape
+        # (seconds a step, shape) at the current count: last measured by a probe, and in the
+        # last watch window
+        self.ref: tuple[float, object] | None = None
+        self.recent: tuple[float, object] | None = None
         self.watch = [0.0, 0]            # seconds, steps of the current window
         self.slow = 0                    # windows in a row slower than SLOWER * ref
         self.rng = random.Random()
@@ -175,7 +182,7 @@ class DecodeThreads:
         self.watch = [0.0, 0]
         self.last_stat, self.stat = self.stat, self.ticks()
         self.recent = per, self.shape
-        slow = self.ref is not None and self.ref_shape == self.shape and per > SLOWER * self.ref
+        slow = self.ref is not None and self.ref[1] == self.shape and per > SLOWER * self.ref[0]
         self.slow = self.slow + 1 if slow else 0
         if self.slow >= SLOW_WINDOWS:
             self.next_probe, self.slow = self.clock, 0
@@ -191,15 +198,17 @@ class DecodeThreads:
             self.log.info("decode threads %d -> %d: %.2f ms a step against %.2f (another process "
                           "takes CPU time, or it left)", self.current, self.counts[self.other],
                           1e3 * there, 1e3 * here)
-        self._decided(switch, there > CONFIRM * here)
-        self.ref, self.ref_shape = (here if not switch else there), self.shape
+        self._decided(switch, there > CONFIRM * here, ref=(there if switch else here, self.shape))
 
-    def _decided(self, switch: bool, confirmed: bool, outcome: str = "") -> None:
+    def _decided(self, switch: bool, confirmed: bool, outcome: str = "", ref=None) -> None:
+        """A probe's end (or its skip). ref: what it measured at the count kept; without one,
+        the last watch window's, so that steps a growing context slowed are the reference
+        (else every window after it would ask for a probe)."""
         metrics.M.thread_probes.labels(outcome or ("switched" if switch else "kept")).inc()
-        if not switch and self.recent and self.recent[1] == self.shape:
-            # what the current count gives now is the reference for the slowdown watch (a
-            # context that grows makes steps slower: without this, every window would probe)
-            self.ref, self.ref_shape = self.recent
+        if ref is None and not switch and self.recent and self.recent[1] == self.shape:
+            ref = self.recent
+        if ref is not None:
+            self.ref = ref
         if switch:
             self.down = self.other > self.i      # go on the same way next time
             self.i = self.other

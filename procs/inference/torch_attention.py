@@ -23,9 +23,9 @@ def causal_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int, dtype) -> t
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One query row against S keys (the CPU's decode; graphs.static_step's on any device):
+    """One query row against S keys (the CPU's decode; graph_step.static_step's on any device):
     q [H, D], k and v [KV, S, D] -> [1, H*D];
-    mask: float32 [S] added to the scores (graphs.static_step's: -inf where a row is not to be seen).
+    mask: float32 [S] added to the scores (graph_step.static_step's: -inf where a row is not to be seen).
     The H/KV query heads that share a K/V head go as one small GEMM per K/V head. SDPA's CPU
     path for a single bf16 row is 4-15x slower (2 threads, avx512_bf16: 14.9 against 1.0 ms
     per layer at 23k keys; f32 alike), and at an agent's context attention is most of a

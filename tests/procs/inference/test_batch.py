@@ -148,7 +148,8 @@ def test_the_pooled_step_equals_the_batched_step(name):
 def test_the_pool_rows_must_be_finite(model_path):
     """Why graphs.py keeps every slot row finite: the step reads the attended capacity under a
     mask, and a NaN in a masked row poisons every sum it enters."""
-    from procs.inference.graphs import Pool, static_step
+    from procs.inference.graph_step import static_step
+    from procs.inference.pools import Pool
     from procs.inference.loader import load
     m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
     s = sessions(m, prompts(1))[0]

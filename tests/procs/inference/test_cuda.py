@@ -101,7 +101,7 @@ def test_graphs_agree_with_eager_ops(gpu, eager, vectors):
 
 def test_a_replay_is_the_step_it_captured(gpu, vectors):
     """A graph replayed gives, bit for bit, what the same step run eagerly on the same pool
-    gives (GraphDecoder(capture=False): graphs.static_step, which it captured): prefill chunks
+    gives (GraphDecoder(capture=False): graph_step.static_step, which it captured): prefill chunks
     (padded to their bucket) and decode steps. One capture serves every step of its shape:
     other sessions, the batch reordered; a new size or a doubled capacity captures anew."""
     kept = gpu.graphs
