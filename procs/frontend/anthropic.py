@@ -96,8 +96,10 @@ class Shaper(Blocks):
     """message_start, content_block_start/delta/stop, message_delta, message_stop; `ping` as
     the keepalive. message_start waits for Started (the model began: the cached split is
     known), or goes out before the first block or the end if that comes first; keepalives
-    before it are SSE comments. Tool input goes out whole at the block's close (the pieces of
-    one call arrive together anyway), as JSON of an object."""
+    before it are SSE comments. Tool input streams as input_json_delta while the model writes
+    it when it begins as an object (the renderer sends only text inside the value, so the
+    pieces concatenate to the input's JSON); any other arguments go out at the block's
+    close, whole, as JSON of an object."""
 
     def __init__(self, job: Job, mid: str, model: str, accepted: Accepted | None):
         super().__init__()
@@ -142,8 +144,13 @@ class Shaper(Blocks):
             elif op[0] == "text":
                 out.append(sse("content_block_delta", {"type": "content_block_delta", "index": b.index,
                                                               "delta": {"type": "text_delta", "text": op[2]}}))
+            elif op[0] == "args":
+                if b.extra.setdefault("streamed", b.args.lstrip().startswith("{")):
+                    out.append(sse("content_block_delta", {
+                        "type": "content_block_delta", "index": b.index,
+                        "delta": {"type": "input_json_delta", "partial_json": op[2]}}))
             elif op[0] == "close":
-                if b.kind == "call":
+                if b.kind == "call" and not b.extra.get("streamed"):
                     js = json_text(parse_json_object(b.args))
                     out.append(sse("content_block_delta", {
                         "type": "content_block_delta", "index": b.index,

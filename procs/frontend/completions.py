@@ -49,8 +49,7 @@ class Stream:
         return []
 
     def delta(self, ev: Delta) -> list:
-        c = self.chunks.delta(ev)
-        return [sse(None, c)] if c is not None else []
+        return [sse(None, c) for c in self.chunks.delta(ev)]
 
     def finish(self, fin: Finished) -> list:
         out = [sse(None, c) for c in self.chunks.final(fin.finish_reason)]

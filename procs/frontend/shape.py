@@ -69,17 +69,20 @@ def tool_calls(pieces) -> list[dict]:
     return [calls[i] for i in sorted(calls)]
 
 
-def stream_tool_calls(pieces) -> list[dict]:
-    """The chunk shape: id, type and name on a call's first piece; argument fragments after."""
-    out = []
+def stream_tool_calls(pieces) -> list[list[dict]]:
+    """The chunk shape, one list per chunk: a chunk holds one entry per call, its pieces
+    merged (a client may read `delta.tool_calls[0]` alone), and each call of the pieces
+    goes in a chunk of its own. id, type and name ride on a call's first piece."""
+    merged: dict[int, dict] = {}
     for p in pieces:
-        d: dict = {"index": p.index}
+        d = merged.get(p.index)
+        if d is None:
+            d = merged[p.index] = {"index": p.index}
         if p.id:
-            d.update(id=p.id, type="function", function={"name": p.name, "arguments": p.arguments})
-        else:
-            d["function"] = {"arguments": p.arguments}
-        out.append(d)
-    return out
+            d.update(id=p.id, type="function")
+            d["function"] = {"name": p.name, "arguments": d.get("function", {}).get("arguments", "")}
+        d.setdefault("function", {"arguments": ""})["arguments"] += p.arguments
+    return [[merged[i]] for i in sorted(merged)]
 
 
 def delta_tool_calls(ev) -> tuple:
@@ -160,17 +163,22 @@ class Chunks:
             return None
         return self._chunk(self._choice({"role": "assistant", "content": ""}, "", (), None))
 
-    def delta(self, ev: Delta) -> dict | None:
-        calls = delta_tool_calls(ev)
+    def delta(self, ev: Delta) -> list[dict]:
+        """The chunks of one event: its text and logprobs with the first call's pieces, then
+        one chunk for each further call."""
+        calls = stream_tool_calls(delta_tool_calls(ev))
         if not ev.text and not ev.logprobs and not calls:
-            return None
+            return []
         delta: dict = {}
         if self.chat:
             if ev.text or not calls:
                 delta["content"] = ev.text
             if calls:
-                delta["tool_calls"] = stream_tool_calls(calls)
-        return self._chunk(self._choice(delta, ev.text, ev.logprobs, None))
+                delta["tool_calls"] = calls[0]
+        out = [self._chunk(self._choice(delta, ev.text, ev.logprobs, None))]
+        if self.chat:
+            out += [self._chunk(self._choice({"tool_calls": c}, "", (), None)) for c in calls[1:]]
+        return out
 
     def final(self, finish_reason: str, finished_ev=None) -> list[dict]:
         out = []

@@ -74,8 +74,10 @@ class Dispatch:
         if p.req.tools:
             choice = tool_choice(p.req)
             if choice != "none":
+                c = p.constraint
                 p.calls = tools.CallParser(opened=self.call_format.opener(choice), fmt=self.call_format,
-                                           names=grammar.names(p.req.tools))
+                                           names=grammar.names(p.req.tools), grow=c is not None,
+                                           grow_fenced=c is not None and bool(c.fence))
         p.since = p.dispatched = time.monotonic()
         p.heard_at_dispatch = p.since - self.last_heard < HEALTH_FRESH_S
         p.dispatch_seq = self.ping_seq

@@ -149,6 +149,53 @@ def whole_value(args: str) -> str:
     return body[:end]
 
 
+class ValueScan:
+    """The arguments of a call being generated, fed as they grow: `feed` returns how much of
+    the text so far is surely inside the JSON value when it is an object or array (anything
+    else is held until the call closes: a string's content is passed on decoded, as
+    arguments already written as JSON text), and `whole` says it has ended. Linear in the
+    text: each character is looked at once."""
+
+    def __init__(self):
+        self.n = 0              # characters scanned
+        self.depth = 0
+        self.in_str = self.esc = False
+        self.kind = ""          # the value's first character, once seen
+        self.whole = False
+
+    def feed(self, text: str) -> int:
+        i = self.n
+        if not self.kind:
+            while i < len(text) and text[i] in " \t\r\n":
+                i += 1
+            if i == len(text):
+                self.n = i
+                return 0
+            self.kind = text[i]
+            self.n = i
+        if self.kind not in "{[":
+            return 0
+        while i < len(text) and not self.whole:
+            c = text[i]
+            i += 1
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif c == "\\":
+                    self.esc = True
+                elif c == '"':
+                    self.in_str = False
+            elif c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                self.whole = self.depth == 0
+        self.n = i
+        return i
+
+
 class Incomplete(Exception):
     """The text so far could still become a valid call block."""
 

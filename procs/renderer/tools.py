@@ -177,12 +177,19 @@ class CallParser:
     """Splits generated text into content and tool calls, incrementally. Text that might
     open a call is held back; a call is emitted when it is complete in the format's syntax."""
 
-    def __init__(self, opened: str = "", fmt: Format = GENERIC, names=frozenset()):
+    def __init__(self, opened: str = "", fmt: Format = GENERIC, names=frozenset(), grow: bool = False,
+                 grow_fenced: bool = False):
         self.fmt = fmt
+        # a call is streamed while it grows only where decoding is constrained to end it as a
+        # call (`grow`; `grow_fenced` for a fenced one): unconstrained text may turn out not
+        # to be one, and a head the client has seen cannot be taken back
+        self.grow, self.grow_fenced = grow, grow_fenced
         self.names = frozenset(names)
         # an answer may open with a fenced call (guidance.fence_state) while this is 0
         self.fence = 0 if names and fmt.kind == "tags" and not opened else -1
-        self.cut: tuple[str, str, str] | None = None    # a call the token limit cut, from flush()
+        # a call the token limit cut, from flush(): (id, name, arguments, index, how much of
+        # them was streamed; -1: not even its head)
+        self.cut: tuple[str, str, str, int, int] | None = None
         self.late: list[m.ToolCallDelta] = []           # a call flush() closed
         self.content_done = bool(opened)
         self.buf = opened            # text since the first trigger (the block), or held content
@@ -194,6 +201,9 @@ class CallParser:
         self.content_bytes = 0       # UTF-8 bytes of the content returned so far
         self.opened = opened
         self.opened_bytes = len(opened.encode())   # the opener is prompt, not generated
+        # the call being generated, streamed as it grows (constrained decoding guarantees it
+        # ends as a call): [index, id, name, where its arguments begin in buf, ValueScan, sent]
+        self.live: list | None = None
 
     def push(self, text: str) -> tuple[str, list[m.ToolCallDelta]]:
         """(content text to emit, call pieces to emit)."""
@@ -238,10 +248,15 @@ class CallParser:
                 found, end, self.more = toolfmt.scan_fenced(self.buf, self.names, final) if self.fence == 1 \
                     else toolfmt.scan(self.fmt, self.buf, a)
             except toolfmt.Incomplete:
-                return pieces
+                return pieces + self._growing()
             except ValueError:      # not a call after all: the block ends before it
                 self.more = False
+                if self.live is not None:   # what the client has of it stays a call
+                    pieces += self._close_live([], len(self.buf))
                 return pieces
+            if self.live is not None:
+                pieces += self._close_live(found, end)
+                found = found[1:]
             self.scan = end
             for name, args_text in found:
                 cid = self.fmt.new_id()
@@ -251,6 +266,44 @@ class CallParser:
                 for k in range(0, len(args_text), 64):   # argument fragments, as OpenAI streams them
                     pieces.append(m.ToolCallDelta(index=idx, arguments=args_text[k:k + 64]))
         return pieces
+
+    def _partial(self):
+        """The pattern of a call open after its name, or None where calls are not streamed
+        (an array of calls parses whole)."""
+        if self.fence == 1:
+            return toolfmt.FENCED_PARTIAL if self.grow_fenced else None
+        return self.fmt.partial() if self.grow and self.fmt.kind != "array" else None
+
+    def _growing(self) -> list[m.ToolCallDelta]:
+        """The pieces of the open call that are new: its head once its name is whole, then
+        its arguments as far as they are surely inside their JSON value."""
+        pieces = []
+        if self.live is None:
+            pat = self._partial()
+            mt = pat.match(self.buf, self.scan) if pat is not None else None
+            if mt is None or (self.fence == 1 and mt.group(1) not in self.names):
+                return []
+            self.live = [len(self.calls), self.fmt.new_id(), mt.group(1), mt.start(2), toolfmt.ValueScan(), ""]
+            pieces.append(m.ToolCallDelta(index=self.live[0], id=self.live[1], name=self.live[2]))
+        idx, _, _, start, vs, sent = self.live
+        text = self.buf[start:start + vs.feed(self.buf[start:])].lstrip()
+        if len(text) > len(sent):
+            pieces.append(m.ToolCallDelta(index=idx, arguments=text[len(sent):]))
+            self.live[5] = text
+        return pieces
+
+    def _close_live(self, found, end: int) -> list[m.ToolCallDelta]:
+        """The streamed call closed at `end`: its arguments are the text the model wrote (what
+        the client has a prefix of), the rest of it sent now."""
+        idx, cid, name, start, vs, sent = self.live
+        self.live = None
+        vs.feed(self.buf[start:end])
+        args = self.buf[start:start + vs.n].strip() if vs.whole else (found[0][1] if found else sent)
+        if found and found[0][0] != name:     # cannot be under constraint; the client has this name
+            args = sent
+        self.calls.append((cid, name, args))
+        rest = args[len(sent):] if args.startswith(sent) else ""
+        return [m.ToolCallDelta(index=idx, arguments=rest)] if rest else []
 
     @property
     def done(self) -> bool:
@@ -286,17 +339,24 @@ class CallParser:
         partial = toolfmt.FENCED_PARTIAL if self.fence == 1 else self.fmt.partial()
         m_ = partial.match(tail) if self.more else None
         if m_ is not None:
-            self.cut = (self.fmt.new_id(), m_.group(1), toolfmt.whole_value(m_.group(2)))
+            args = toolfmt.whole_value(m_.group(2)).lstrip()
+            if self.live is not None:
+                idx, cid, name, _, _, sent = self.live
+                self.live = None
+                self.cut = (cid, name, args, idx, len(sent) if args.startswith(sent) else len(args))
+            else:
+                self.cut = (self.fmt.new_id(), m_.group(1), args, len(self.calls), -1)
             return ""
         if not self.calls:
             return self.block[len(self.opened):] if self.block.startswith(self.opened) else self.block
         return ""
 
     def cut_pieces(self) -> list[m.ToolCallDelta]:
-        """After flush(): the pieces of a call it closed, or of the call the limit cut."""
+        """After flush(): the pieces of a call it closed, or of the call the limit cut (less
+        what was streamed of it)."""
         if self.cut is None:
             return self.late
-        cid, name, args = self.cut
-        idx = len(self.calls)
-        return [m.ToolCallDelta(index=idx, id=cid, name=name)] + [
-            m.ToolCallDelta(index=idx, arguments=args[k:k + 64]) for k in range(0, len(args), 64)]
+        cid, name, args, idx, sent = self.cut
+        head = [m.ToolCallDelta(index=idx, id=cid, name=name)] if sent < 0 else []
+        args = args[max(sent, 0):]
+        return head + [m.ToolCallDelta(index=idx, arguments=args[k:k + 64]) for k in range(0, len(args), 64)]

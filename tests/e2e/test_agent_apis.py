@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 
 SLACK = 16                  # "cached >= turn 1 in + out - SLACK": the answer's end-of-turn tokens and so on
 CALL_TOKENS = 40            # room for the small model to close its call
-CITIES = ("Tokyo", "London", "Berlin", "Oslo", "Paris", "Madrid", "Cairo", "Lima", "Rome")
+CITIES = ("Tokyo", "London", "Berlin", "Oslo", "Paris", "Madrid", "Cairo", "Lima", "Rome", "Quito", "Dakar")
 USED: set = set()           # each exchange its own question
 EXAMPLE = ('You answer by calling a tool. Example call:\n<tool_call>\n'
            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
@@ -208,6 +208,39 @@ def messages_cached_turn1(m1, m2) -> None:
 def test_messages_agent_exchange(server):
     first, m1 = messages_turn1(server)
     messages_cached_turn1(m1, messages_turn2(server, first, m1))
+
+
+def test_calls_stream_while_they_are_written(server):
+    """A forced call streams its arguments in pieces as the model writes them, on both agent
+    APIs (Codex and Claude Code show a call growing); the pieces are the final arguments."""
+    def responses(first):
+        deltas, done = [], None
+        for ev in oa(server).responses.create(model=server.health["model"], instructions=EXAMPLE, input=first,
+                                              tools=OA_TOOLS, tool_choice={"type": "function", "name": "get_weather"},
+                                              max_output_tokens=CALL_TOKENS, temperature=0, stream=True):
+            if ev.type == "response.function_call_arguments.delta":
+                deltas.append(ev.delta)
+            elif ev.type == "response.completed":
+                done = ev.response
+        return deltas, done
+    _, (deltas, r) = first_call(responses, lambda a: a[1] is not None)
+    [c] = [o for o in r.output if o.type == "function_call"]
+    assert len(deltas) >= 3 and "".join(deltas) == c.arguments, deltas
+    assert isinstance(json.loads(c.arguments)["city"], str)
+
+    def messages(first):
+        parts = []
+        with an(server).messages.stream(model=server.health["model"], system=EXAMPLE, messages=first,
+                                        tools=AN_TOOLS, tool_choice={"type": "tool", "name": "get_weather"},
+                                        max_tokens=CALL_TOKENS) as st:
+            for ev in st:
+                if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta":
+                    parts.append(ev.delta.partial_json)
+            return parts, st.get_final_message()
+    _, (parts, m) = first_call(messages, lambda a: a[1].stop_reason == "tool_use")
+    [use] = [b for b in m.content if b.type == "tool_use"]
+    assert len(parts) >= 3 and json.loads("".join(parts)) == use.input, parts
+    assert isinstance(use.input["city"], str)
 
 
 # -- bad input, each in its own API's shape ----------------------------------------------------

@@ -403,7 +403,7 @@ def test_messages_stream_events():
     ev = events(r.text)
     assert [n for n, _ in ev] == ["message_start", "ping", "content_block_start", "content_block_delta",
                                   "content_block_stop", "content_block_start", "content_block_delta",
-                                  "content_block_stop", "message_delta", "message_stop"]
+                                  "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
     assert all(d["type"] == n for n, d in ev)
     d = [x for _, x in ev]
     start = d[0]["message"]
@@ -412,10 +412,11 @@ def test_messages_stream_events():
     assert d[2] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert d[3]["delta"] == {"type": "text_delta", "text": "Let me look."} and d[4]["index"] == 0
     assert d[5]["content_block"] == {"type": "tool_use", "id": TOOLU, "name": "weather", "input": {}}
-    assert d[6]["index"] == 1 and d[6]["delta"]["type"] == "input_json_delta"
-    assert json.loads(d[6]["delta"]["partial_json"]) == {"city": "Paris"}
-    assert d[8]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert d[8]["usage"] == {"input_tokens": 20, "output_tokens": 12, "cache_creation_input_tokens": 0,
+    # the input streams in the pieces it came in, which concatenate to its JSON
+    assert all(x["index"] == 1 and x["delta"]["type"] == "input_json_delta" for x in d[6:8])
+    assert [x["delta"]["partial_json"] for x in d[6:8]] == ['{"city": ', '"Paris"}']
+    assert d[9]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert d[9]["usage"] == {"input_tokens": 20, "output_tokens": 12, "cache_creation_input_tokens": 0,
                              "cache_read_input_tokens": 50}
 
 

@@ -106,7 +106,7 @@ def test_a_call_cut_by_the_token_limit(fmt):
     content, pieces = stream(p, cut)
     assert content == "" and pieces == []
     assert p.flush() == ""
-    assert p.cut is not None and p.cut[1:] == ("get_weather", '{"city": "')
+    assert p.cut is not None and p.cut[1:3] == ("get_weather", '{"city": "')
 
 
 @pytest.mark.parametrize("fmt", [toolfmt.HERMES, toolfmt.MISTRAL], ids=lambda f: f.name)   # [ARGS] calls have no wrapper after them
@@ -295,3 +295,80 @@ def test_an_answer_that_opens_with_a_bare_json_call_is_a_call(text_model):
         guide.advance(tok)
     assert guide.matcher.consume_tokens(text_model.encode(b'get_time", "arguments": {}}'))
     assert guide.matcher.is_accepting()
+
+
+NESTED = {"path": "a}b.py", "edits": [{"old": "x = {1: \"}\"}", "new": "[]"}], "n": 2}
+GROWING = [(toolfmt.HERMES, "Let me look. ", None), (toolfmt.LLAMA3, "", None),
+           (toolfmt.MISTRAL_ARGS, "", None), (toolfmt.HERMES, "", "fenced")]
+
+
+def growing_text(fmt, fenced, calls):
+    if fenced:
+        n, a = calls[0]
+        return '```json\n{"name": ' + json.dumps(n) + ', "arguments": ' + json.dumps(a) + "}\n```"
+    return generated(fmt, calls)
+
+
+@pytest.mark.parametrize("fmt,lead,fenced", GROWING, ids=lambda x: getattr(x, "name", None) or repr(x))
+def test_a_constrained_call_streams_while_it_is_generated(fmt, lead, fenced):
+    """Under constraint a call's head goes out once its name is whole and its arguments as
+    they are written, not at the call's end: a client sees `{"path": ...` growing. Pieces of
+    one index concatenate to the call's arguments, the JSON text the model wrote."""
+    calls = [("get_weather", NESTED)]
+    if fmt.parallel and not fenced:
+        calls.append(("get_time", {}))
+    text = lead + growing_text(fmt, fenced, calls)
+    p = t.CallParser(fmt=fmt, names={"get_weather", "get_time"}, grow=True, grow_fenced=True)
+    seen, content, head_at, args_by = [], "", None, {}     # args_by[k]: the call's arguments sent by char k
+    for k, ch in enumerate(text):
+        out, got = p.push(ch)
+        content += out
+        seen += got
+        if head_at is None and any(x.id for x in got):
+            head_at = k
+        args_by[k] = "".join(x.arguments for x in seen if x.index == 0)
+    got = whole(seen)
+    assert content == lead and [(n, json.loads(a)) for _, n, a in got] == calls
+    assert [c[2] for c in p.calls] == [a for _, _, a in got] and [c[0] for c in p.calls] == [i for i, _, _ in got]
+    assert sum(1 for x in seen if x.id) == len(calls)           # one head per call
+    value = json.dumps(NESTED)
+    start = text.index(value)
+    assert head_at < start                                       # the head before its arguments
+    assert args_by[start] == "{"                                 # which go out as they are written
+    assert args_by[start + len(value) // 2] == value[:len(value) // 2 + 1]
+    assert args_by[start + len(value) - 2] == value[:-1]         # all but the closing brace, before it
+    assert args_by[len(text) - 1].startswith(value)
+
+
+@pytest.mark.parametrize("fmt,lead,fenced", GROWING, ids=lambda x: getattr(x, "name", None) or repr(x))
+def test_a_streamed_call_cut_by_the_limit_sends_only_its_rest(fmt, lead, fenced):
+    """The limit may cut a streamed call anywhere: what went out while it grew and what
+    cut_pieces adds are one call (one head), whose arguments are the cut call's."""
+    text = lead + growing_text(fmt, fenced, [("get_weather", NESTED)])
+    for cut in range(len(lead) + 1, len(text)):
+        p = t.CallParser(fmt=fmt, names={"get_weather"}, grow=True, grow_fenced=True)
+        content, pieces = stream(p, text[:cut], step=1)
+        content += p.flush()
+        pieces += p.cut_pieces()
+        if p.cut is None:
+            if p.calls:                                          # closed already (the fence is optional)
+                assert [c[2] for c in p.calls] == [a for _, _, a in whole(pieces)]
+            else:
+                assert pieces == [] and content == text[:cut]   # before the name is whole: text
+            continue
+        assert content == lead
+        [(cid, name, args)] = whole(pieces)
+        assert sum(1 for x in pieces if x.id) == 1
+        assert (cid, name, args) == p.cut[:3]
+
+
+def test_an_array_of_calls_and_unconstrained_calls_go_out_whole():
+    """Mistral's array parses at its end, and without constraint a call may still turn out
+    not to be one: neither streams a head before the call is closed."""
+    for fmt, grow in ((toolfmt.MISTRAL, True), (toolfmt.HERMES, False)):
+        text = generated(fmt, [("get_weather", NESTED)])
+        p = t.CallParser(fmt=fmt, grow=grow)
+        _, pieces = stream(p, text[:-2], step=1)
+        assert pieces == []
+        _, pieces = stream(p, text[-2:], step=1)
+        assert whole(pieces)[0][1:] == ("get_weather", json.dumps(NESTED))

@@ -186,7 +186,7 @@ def test_opened_parser_completes_a_forced_call():
 
     n = t.CallParser(opened=opened)                  # cut inside the arguments of a named call
     feed(n, ['{"city": "Os'])
-    assert n.flush() == "" and n.cut[1:] == ("get_weather", '{"city": "Os')
+    assert n.flush() == "" and n.cut[1:3] == ("get_weather", '{"city": "Os')
 
 
 # -- prepare_messages ----------------------------------------------------------------------------
@@ -376,7 +376,7 @@ def test_a_call_cut_by_the_limit_is_a_truncated_call_not_text():
     text, pieces = feed(p, chars('{"name": "get_weather", "arguments": {"city": "Par'))
     assert (text, pieces) == ("", [])
     assert p.flush() == "" and p.calls == []
-    cid, name, args = p.cut
+    cid, name, args, _, _ = p.cut
     assert name == "get_weather" and args == '{"city": "Par' and ID_RE.fullmatch(cid)
     [head, *rest] = p.cut_pieces()
     assert (head.index, head.id, head.name) == (0, cid, "get_weather")
@@ -388,5 +388,5 @@ def test_a_call_cut_by_the_limit_is_a_truncated_call_not_text():
 
     r = t.CallParser()                              # the model opened it itself: after a closed call
     feed(r, chars("ok " + CALL_A + '\n<tool_call>\n{"name": "b", "arguments": {'))
-    assert r.flush() == "" and len(r.calls) == 1 and r.cut[1:] == ("b", "{")
+    assert r.flush() == "" and len(r.calls) == 1 and r.cut[1:3] == ("b", "{")
     assert r.cut_pieces()[0].index == 1
