@@ -18,6 +18,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_ids: tuple[int, ...] = ()
     vocab: int = 0                      # ids from here on are embedding padding with no text (0: none)
     ignore_eos: bool = False            # never pick a stop id (llama.cpp's and vLLM's ignore_eos; benchmarks)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), OpenAI's logit_bias
+    presence_penalty: float = 0.0       # subtracted from the logit of a token the answer already holds
+    frequency_penalty: float = 0.0      # ... times the number of times it holds it
 
 
 class ToolCallFunction(msgspec.Struct, frozen=True):

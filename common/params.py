@@ -12,8 +12,12 @@ class ParamError(ValueError):
         self.param = param
 
 
-def validate_sampling(p: SamplingParams) -> None:
-    """Raise ParamError(param, message) for arguments no request may carry."""
+MAX_LOGIT_BIAS = 1024          # entries; OpenAI's own limit is lower, this bounds a message
+
+
+def validate_sampling(p: SamplingParams, vocab: int = 0) -> None:
+    """Raise ParamError(param, message) for arguments no request may carry; with `vocab`
+    (the tokenizer's size) also for a logit_bias of a token the model does not have."""
     if p.max_tokens < 0:
         raise ParamError("max_tokens", "max_tokens must be >= 0")
     if not (p.temperature >= 0) or p.temperature > 100:
@@ -26,3 +30,15 @@ def validate_sampling(p: SamplingParams) -> None:
         raise ParamError("min_p", "min_p must be in [0, 1]")
     if not (0 <= p.top_logprobs <= MAX_TOP_LOGPROBS):
         raise ParamError("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not (-2 <= getattr(p, name) <= 2):
+            raise ParamError(name, f"{name} must be between -2 and 2")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise ParamError("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
+    for tok, v in p.logit_bias:
+        if not (-100 <= v <= 100):
+            raise ParamError("logit_bias", f"logit_bias of token {tok} must be between -100 and 100")
+        if tok < 0 or (vocab and tok >= vocab):
+            raise ParamError("logit_bias", f"logit_bias names token {tok}, which is not in the model's "
+                                           f"vocabulary ({vocab} tokens)" if vocab else
+                             f"logit_bias names token {tok}, which is not a token id")

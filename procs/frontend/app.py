@@ -70,26 +70,39 @@ async def ready_health(backend, slots: bool = False):
 
 class Models:
     """The model list answers only when the server is ready (as /health), since clients and
-    harnesses take its first answer as the sign to send requests."""
+    harnesses take its first answer as the sign to send requests. A request with an
+    `anthropic-version` header (the Anthropic client's) gets Anthropic's list shape. Unless
+    --strict-model-names, any name is served by the loaded model, so retrieving any name
+    answers a card of that name (as requests naming it are answered)."""
 
-    def __init__(self, model_id: str, created: int, backend):
+    def __init__(self, model_id: str, created: int, backend, strict: bool = False):
         self.card = {"id": model_id, "object": "model", "created": created, "owned_by": "ricordo"}
-        self.backend = backend
+        self.backend, self.strict = backend, strict
 
     async def _ready(self) -> None:
         await ready_health(self.backend)
 
+    def _anthropic(self, model_id: str) -> dict:
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.card["created"]))
+        return {"type": "model", "id": model_id, "display_name": model_id, "created_at": when}
+
     async def on_get(self, req, resp) -> None:
         await self._ready()
-        resp.data = encode({"object": "list", "data": [self.card]})
+        if req.get_header("anthropic-version"):
+            mid = self.card["id"]
+            body = {"data": [self._anthropic(mid)], "has_more": False, "first_id": mid, "last_id": mid}
+        else:
+            body = {"object": "list", "data": [self.card]}
+        resp.data = encode(body)
         resp.content_type = falcon.MEDIA_JSON
 
     async def on_get_one(self, req, resp, model_id: str) -> None:
-        if model_id != self.card["id"]:
+        if model_id != self.card["id"] and self.strict:
             raise ApiError(404, f"The model `{model_id}` does not exist or you do not have access to it.",
                            param="model", code="model_not_found")
         await self._ready()
-        resp.data = encode(self.card)
+        body = self._anthropic(model_id) if req.get_header("anthropic-version") else {**self.card, "id": model_id}
+        resp.data = encode(body)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -156,7 +169,7 @@ def create_app(backend, settings: Settings) -> falcon.asgi.App:
     app = App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     install(app)
-    models = Models(model_id, int(time.time()), backend)
+    models = Models(model_id, int(time.time()), backend, settings.strict_model_names)
     app.add_route("/v1/chat/completions", Completions(backend, settings, model_id, "chat"))
     app.add_route("/v1/completions", Completions(backend, settings, model_id, "completion"))
     app.add_route("/v1/models", models)

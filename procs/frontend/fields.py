@@ -54,6 +54,23 @@ def get_num(body: dict, key: str, default: float) -> float:
     return f
 
 
+def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"<token id>": bias, ...}, in id order (ranges: common/params.py)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad("logit_bias", "'logit_bias' must be an object mapping token ids to numbers")
+    out = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 12):
+            raise bad("logit_bias", f"logit_bias key {k!r} is not a token id")
+        if type(b) not in (int, float) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"logit_bias of token {k} must be a number between -100 and 100")
+        out[int(k)] = float(b)
+    return tuple(sorted(out.items()))
+
+
 def get_bool(body: dict, key: str, default: bool = False) -> bool:
     v = body.get(key)
     if v is None:
@@ -102,7 +119,8 @@ def set_defaults(settings) -> None:
 
 def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int = 0,
              lo: int = 0) -> SamplingParams:
-    """The sampling fields the API has (`keys`, among temperature, top_p, top_k, min_p, seed, ignore_eos)
+    """The sampling fields the API has (`keys`, among temperature, top_p, top_k, min_p, seed,
+    ignore_eos, logit_bias, presence_penalty, frequency_penalty)
     and its token limit (`max_key`; absent: until the context is full). The one place the
     limit is clamped before the renderer fits it to the context."""
     mt = get_int(body, max_key)
@@ -116,7 +134,10 @@ def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int 
                        min_p=get_num(body, "min_p", d.min_p) if "min_p" in keys else d.min_p,
                        seed=get_int(body, "seed", d.seed) if "seed" in keys else d.seed,
                        ignore_eos=get_bool(body, "ignore_eos") if "ignore_eos" in keys else False,
-                       top_logprobs=top_logprobs)
+                       top_logprobs=top_logprobs,
+                       logit_bias=logit_bias(body) if "logit_bias" in keys else (),
+                       presence_penalty=get_num(body, "presence_penalty", 0.0) if "presence_penalty" in keys else 0.0,
+                       frequency_penalty=get_num(body, "frequency_penalty", 0.0) if "frequency_penalty" in keys else 0.0)
     try:
         validate_sampling(p)
     except ParamError as e:

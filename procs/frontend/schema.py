@@ -19,7 +19,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def _sampling(body: dict, top_logprobs: int) -> SamplingParams:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return sampling(body, key, ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos"), top_logprobs)
+    return sampling(body, key, ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logit_bias",
+                                "presence_penalty", "frequency_penalty"), top_logprobs)
 
 
 def _n(body: dict) -> None:
@@ -35,6 +36,8 @@ def _stream(body: dict) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(opts, dict):
         raise bad("stream_options", "'stream_options' must be an object")
+    if not stream:                  # as OpenAI and vLLM answer it
+        raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
     usage = opts.get("include_usage")
     if usage is not None and type(usage) is not bool:
         raise bad("stream_options.include_usage", "'include_usage' must be a boolean")
@@ -108,7 +111,7 @@ def _message(i: int, msg) -> ChatMessage:
         if not isinstance(call_id, str) or not call_id:
             raise bad(f"{at}.tool_call_id", "a tool message needs a string 'tool_call_id'")
     if (not content if role == "user" else content is None) and not (role == "assistant" and calls):
-        raise bad(f"{at}.content", f"a {role} message needs content")
+        raise bad(f"{at}.content", f"{'an' if role[0] in 'aeiou' else 'a'} {role} message needs content")
     return ChatMessage(role=role, content=content or "", tool_calls=calls, tool_call_id=call_id, name=name)
 
 

@@ -1,4 +1,6 @@
-"""Token sampling: greedy at temperature 0, else temperature / top-k / top-p / min-p.
+"""Token sampling: greedy at temperature 0, else temperature / top-k / top-p / min-p; before
+either, OpenAI's logit_bias and presence / frequency penalties (counted over the answer's
+own tokens, as OpenAI and vLLM count them).
 
 A request's seed drives its own torch.Generator, so a seeded run is reproducible whatever
 else the process did before. Log-probabilities are the model's (log-softmax of the raw
@@ -18,6 +20,31 @@ class Sampler:
         if p.temperature > 0:
             self.gen = torch.Generator(device="cpu")
             self.gen.manual_seed(p.seed if p.seed is not None else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
+        self.shapes = bool(p.logit_bias or p.presence_penalty or p.frequency_penalty)
+        self.counts: torch.Tensor | None = None     # how often each token was picked (penalties)
+        self.bias: torch.Tensor | None = None
+
+    def shaped(self, x: torch.Tensor) -> torch.Tensor:
+        """x with the request's bias and penalties added (a forbidden -inf stays -inf)."""
+        if not self.shapes:
+            return x
+        p = self.p
+        if self.bias is None:
+            self.bias = torch.zeros(x.shape[0])
+            self.counts = torch.zeros(x.shape[0])
+            for tok, v in p.logit_bias:
+                if tok < x.shape[0]:      # -100 bans the token, as OpenAI documents it
+                    self.bias[tok] = v if v > -100 else float("-inf")
+        adj = self.bias
+        if p.frequency_penalty or p.presence_penalty:
+            adj = adj - self.counts * p.frequency_penalty - (self.counts > 0).float() * p.presence_penalty
+        out = x + adj
+        # a grammar's choice is never banned away: with nothing left, the grammar wins
+        return out if bool(torch.isfinite(out).any()) else x
+
+    def picked(self, tok: int) -> None:
+        if self.counts is not None and tok < self.counts.shape[0]:
+            self.counts[tok] += 1
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor | None = None
                  ) -> tuple[int, float, list[tuple[int, float]]]:
@@ -29,9 +56,9 @@ class Sampler:
         if 0 < p.vocab < logits.shape[0]:     # padding rows (Qwen's embedding outgrows its tokenizer)
             logits = logits[:p.vocab]
             masked = masked[:p.vocab] if masked is not None else None
-        pick = logits if masked is None else masked
+        pick = self.shaped(logits if masked is None else masked)
         if p.ignore_eos and masked is None and p.stop_ids:   # a grammar's own end is kept
-            pick = logits.index_fill(0, torch.tensor(p.stop_ids), float("-inf"))
+            pick = pick.index_fill(0, torch.tensor(p.stop_ids), float("-inf"))
         if p.temperature <= 0:
             tok = int(torch.argmax(pick))
         else:
@@ -49,6 +76,7 @@ class Sampler:
                 sp = sp.masked_fill(drop, 0.0)
                 probs = torch.zeros_like(probs).scatter_(0, si, sp)
             tok = int(torch.multinomial(probs, 1, generator=self.gen))
+        self.picked(tok)
         lp = torch.log_softmax(logits, dim=-1)
         top = []
         if p.top_logprobs > 0:
@@ -69,7 +97,7 @@ def sample_many(samplers: list[Sampler], rows: list[torch.Tensor], masks: list,
     rows go together (None: where the rows are not on the CPU)."""
     out: list = [None] * len(rows)
     fast = [i for i, (s, m) in enumerate(zip(samplers, masks))
-            if m is None and s.p.temperature <= 0 and s.p.top_logprobs == 0
+            if m is None and s.p.temperature <= 0 and s.p.top_logprobs == 0 and not s.shapes
             and (rows[i].device.type != "cpu" if together is None else together)]
     for vocab in {samplers[i].p.vocab for i in fast}:
         group = [i for i in fast if samplers[i].p.vocab == vocab]

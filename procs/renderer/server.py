@@ -191,7 +191,7 @@ class Renderer(Readiness, Answers, Dispatch):
             return
         picked = time.monotonic()
         try:
-            validate_sampling(req.sampling)
+            validate_sampling(req.sampling, self.text.vocab_size)
             stats = tools.Rendered()
             prompt = render(self.text, req, self.tool_memory, self.index.entries, stats)
             if any(x.tool_calls for x in req.messages):

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -97,13 +98,14 @@ def test_models_list_and_retrieve(server):
     assert [m.id for m in listed.data] == [model]
     card = client.models.retrieve(model)
     assert card.id == model and card.object == "model" and card.owned_by
-    with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("no-such-model")
+    other = client.models.retrieve("gpt-4o")        # any name is served by the loaded model
+    assert other.id == "gpt-4o" and other.owned_by == card.owned_by
     with server.http() as c:
         r = c.get("/v1/models")
         assert r.status_code == 200 and r.json()["object"] == "list"
-        assert_error(c.get("/v1/models/no-such-model"), 404, param="model", code="model_not_found")
         assert_error(c.get("/v1/no-such-route"), 404)
+    listed = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0).models.list()
+    assert [(m.type, m.id) for m in listed.data] == [("model", model)] and listed.data[0].created_at
 
 
 # -- generation ----------------------------------------------------------------------------
@@ -192,6 +194,32 @@ def test_chat_logprobs_top3(server):
         assert bytes(t.bytes or []).decode("utf-8", "replace") == t.token
     if r.choices[0].finish_reason == "length":
         assert "".join(t.token for t in content) == r.choices[0].message.content
+
+
+def test_logit_bias_and_penalties(server, text_model):
+    """Checked against the server's own raw logprobs, so on any CPU: +100 makes a token the
+    answer, -100 bans the greedy one (the next best is taken), and with a frequency penalty
+    every pick is the best after subtracting 2 per earlier use (which changes the answer)."""
+    def complete(**kw):
+        return server.client().completions.create(model=server.health["model"], prompt=COUNTING, temperature=0,
+                                                  **kw).choices[0]
+    base = complete(max_tokens=16, logprobs=5)
+    zebra = text_model.encode(b" zebra")[0]
+    forced = complete(max_tokens=4, logit_bias={str(zebra): 100})
+    assert forced.text == text_model.pieces[zebra].decode() * 4, forced.text
+    first = base.logprobs.tokens[0]
+    ids = [i for i, p in enumerate(text_model.pieces) if p == first.encode()]
+    banned = complete(max_tokens=1, logprobs=5, logit_bias={str(i): -100 for i in ids})
+    alts = sorted(((v, t) for t, v in base.logprobs.top_logprobs[0].items() if t != first), reverse=True)
+    assert banned.logprobs.tokens[0] != first and banned.logprobs.tokens[0] == alts[0][1], (first, banned.logprobs)
+
+    pen = complete(max_tokens=16, logprobs=5, frequency_penalty=2)
+    lp, seen = pen.logprobs, {}
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        best = max(a - 2 * seen.get(t, 0) for t, a in top.items())
+        assert v - 2 * seen.get(tok, 0) >= best - 1e-3, (tok, v, top, seen)
+        seen[tok] = seen.get(tok, 0) + 1
+    assert pen.text != base.text, pen.text
 
 
 def _pick_stop(text: str) -> str:
@@ -355,7 +383,9 @@ def test_wrong_types(small, post, key, value):
 
 
 @pytest.mark.parametrize("key,value", [("temperature", -1), ("top_p", 0), ("max_tokens", -1),
-                                       ("top_logprobs", 21)])
+                                       ("top_logprobs", 21), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+                                       ("logit_bias", {"1": 101}), ("logit_bias", {"x": 1}), ("logit_bias", [1]),
+                                       ("logit_bias", {"99999999": 1})])
 def test_values_out_of_range(small, post, key, value):
     extra = {"logprobs": True} if key == "top_logprobs" else {}
     assert_error(post("/v1/chat/completions", chat_body(small, **{key: value}, **extra)), 400, param=key)

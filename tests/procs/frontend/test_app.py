@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import msgspec
@@ -274,7 +275,18 @@ def test_models():
     assert d["object"] == "list" and [m["id"] for m in d["data"]] == [MODEL]
     assert d["data"][0]["object"] == "model"
     assert c.simulate_get(f"/v1/models/{MODEL}").json["id"] == MODEL
-    err(c.simulate_get("/v1/models/other"), 404, "model", "model_not_found")
+    # any name is served by the loaded model, so any name can be retrieved; not when strict
+    assert c.simulate_get("/v1/models/gpt-4o").json == {**d["data"][0], "id": "gpt-4o"}
+    _, strict = make(strict_model_names=True)
+    err(strict.simulate_get("/v1/models/other"), 404, "model", "model_not_found")
+    # the Anthropic client's list shape, told by its anthropic-version header
+    a = c.simulate_get("/v1/models", headers={"anthropic-version": "2023-06-01"}).json
+    assert a["has_more"] is False and a["first_id"] == a["last_id"] == MODEL
+    [card] = a["data"]
+    assert card["type"] == "model" and card["id"] == card["display_name"] == MODEL
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", card["created_at"])
+    one = c.simulate_get("/v1/models/claude-sonnet-4-5", headers={"anthropic-version": "2023-06-01"}).json
+    assert one["type"] == "model" and one["id"] == "claude-sonnet-4-5"
 
 
 def test_health():
@@ -377,6 +389,13 @@ BAD_CHAT = [
     (chat_body(top_logprobs=2), "top_logprobs", None),
     (chat_body(stream="yes"), "stream", None),
     (chat_body(stream=True, stream_options=[]), "stream_options", None),
+    (chat_body(stream_options={"include_usage": True}), "stream_options", None),   # not streamed
+    (chat_body(logit_bias={"12": 100.5}), "logit_bias", None),
+    (chat_body(logit_bias={"-3": 1}), "logit_bias", None),
+    (chat_body(logit_bias={"5": "high"}), "logit_bias", None),
+    (chat_body(presence_penalty=2.01), "presence_penalty", None),
+    (chat_body(frequency_penalty="x"), "frequency_penalty", None),
+    (chat_body(messages=[{"role": "user", "content": "hi"}, {"role": "assistant"}]), "messages[1].content", None),
     (chat_body(tools={"a": 1}), "tools", None),
     (chat_body(tool_choice=3), "tool_choice", None),
     (chat_body(model=3), "model", None),
@@ -401,6 +420,8 @@ BAD_COMPLETION = [
     ({"prompt": "x", "n": 3}, "n"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "temperature": 101}, "temperature"),
+    ({"prompt": "x", "logit_bias": {"1": -101}}, "logit_bias"),
+    ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
 ]
 
 
@@ -614,3 +635,12 @@ def test_zmq_backend_no_renderer(tmp_path):
         finally:
             await be.close()
     asyncio.run(go())
+
+
+def test_logit_bias_and_penalties_reach_the_request():
+    be, c = make()
+    r = c.simulate_post("/v1/chat/completions", json=chat_body(logit_bias={"12": 5, "3": -100}, presence_penalty=0.5,
+                                                                frequency_penalty=-1))
+    assert r.status_code == 200
+    p = be.requests[0].sampling
+    assert (p.logit_bias, p.presence_penalty, p.frequency_penalty) == (((3, -100.0), (12, 5.0)), 0.5, -1.0)

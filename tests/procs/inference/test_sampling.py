@@ -43,3 +43,26 @@ def test_greedy_rows_together_match_each_rows_sampler(device):
         assert g[1] == pytest.approx(w[1], abs=1e-5)
         assert [t for t, _ in g[2]] == [t for t, _ in w[2]]
     assert len(got[5][2]) == 3
+
+
+def test_logit_bias_and_penalties_shape_the_pick_not_the_logprobs():
+    """+bias makes a token win, -100 bans it (with a grammar, the grammar's only choice is
+    kept), presence and frequency penalties count the answer's own picks; the reported
+    logprob stays the model's."""
+    x = torch.tensor([5.0, 4.0, 3.0, 0.0])
+    raw = torch.log_softmax(x, -1)
+    s = Sampler(SamplingParams(logit_bias=((3, 10.0),)))
+    tok, lp, _ = s(x)
+    assert tok == 3 and lp == pytest.approx(float(raw[3]))
+    assert Sampler(SamplingParams(logit_bias=((0, -100.0),)))(x)[0] == 1
+    only0 = torch.tensor([0.0, float("-inf"), float("-inf"), float("-inf")])
+    assert Sampler(SamplingParams(logit_bias=((0, -100.0),)))(x, only0)[0] == 0
+    # frequency: 0 wins until picked twice (5 - 2*0.6 < 4), then 1 ...
+    s = Sampler(SamplingParams(frequency_penalty=0.6))
+    assert [s(x)[0] for _ in range(5)] == [0, 0, 1, 0, 1]
+    # presence: once each token is picked, it pays 2 no matter how often
+    s = Sampler(SamplingParams(presence_penalty=1.5))
+    assert [s(x)[0] for _ in range(4)] == [0, 1, 0, 0]
+    # sample_many leaves a shaped greedy row to its own Sampler
+    got = sample_many([Sampler(SamplingParams(logit_bias=((2, 5.0),)))], [x], [None], together=True)
+    assert got[0][0] == 2
