@@ -53,6 +53,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     response_format: str = ""           # JSON: {"type": "json_object"} | {"type": "json_schema", "schema": ...}
     parallel_tool_calls: bool = False   # an answer may hold several calls (else one, then its end)
     count_only: bool = False            # render and tokenize only: Finished("count") with prompt_tokens
+    continue_final: bool = False        # the last message is an assistant's text the answer goes on
+                                        # from (Anthropic's prefill, vLLM's continue_final_message)
     session_hint: str = ""              # which conversation this is, as the client says (Responses'
                                         # prompt_cache_key, `user`, Anthropic metadata.user_id)
     received: float = 0.0               # time.monotonic() when the web received it (0: unknown);

@@ -10,8 +10,8 @@ Errors on these paths come in Anthropic's shape ({"type": "error", "error": {typ
 via `install`; a prompt over the context reads as Anthropic's ("prompt is too long: N tokens
 > M maximum"), which is what makes Claude Code compact its conversation. `x-api-key` works
 like the Bearer token (see app.Auth); `anthropic-version` and `anthropic-beta` are accepted
-and ignored. A trailing assistant message is rendered as a finished turn (no prefill of the
-answer).
+and ignored. A trailing assistant message with text is a prefill: the answer continues it
+(and does not repeat it), as Anthropic's does.
 """
 from __future__ import annotations
 

@@ -180,8 +180,13 @@ def parse(body: dict, rid: str, count_only: bool = False) -> Job:
     stream = get_bool(body, "stream")
     tc = body.get("tool_choice")
     parallel = not (isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True)
+    last = msgs[-1] if msgs else None
+    prefill = last is not None and last.role == "assistant" and bool(last.content) and not last.tool_calls
+    if prefill and last.content != last.content.rstrip():
+        raise bad("messages", "final assistant content cannot end with trailing whitespace")
     # logprobs carry every sampled token's bytes: how the frontend tells which stop string ended it
     req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(msgs), stop=stop,
+                          continue_final=prefill,
                           tools=tool_json, tool_choice=choice, logprobs=bool(stop), parallel_tool_calls=parallel,
                           response_format=_output_format(body), count_only=count_only,
                           session_hint=session_hint(body, "metadata.user_id"))

@@ -170,8 +170,18 @@ def parse_chat(body: dict, rid: str) -> Job:
                           tools=tools, tool_choice=choice, logprobs=logprobs,
                           response_format=output_format(body.get("response_format"), "response_format", "json_schema"),
                           parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True,
-                          session_hint=session_hint(body, "prompt_cache_key", "user"))
+                          session_hint=session_hint(body, "prompt_cache_key", "user"),
+                          continue_final=_continue_final(body, messages))
     return Job(req, stream, include_usage=usage)
+
+
+def _continue_final(body: dict, messages) -> bool:
+    """vLLM's continue_final_message: the answer goes on from the last (assistant) message."""
+    if not get_bool(body, "continue_final_message"):
+        return False
+    if messages[-1].role != "assistant" or messages[-1].tool_calls or not messages[-1].content:
+        raise bad("continue_final_message", "continue_final_message needs a final assistant message with text")
+    return True
 
 
 # -- completions -------------------------------------------------------------------------

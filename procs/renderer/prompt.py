@@ -67,10 +67,13 @@ def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(),
     if req.kind == "completion":
         return text.bos_text() + req.prompt.encode("utf-8", "surrogatepass")
     fmt = toolfmt.detect(text.chat_template)
+    if req.continue_final:
+        _check_continued(req)
+    gen = not req.continue_final
     stats = stats if stats is not None else tools.Rendered()
     msgs = chat_messages(req, memory, index_sha1s, stats, fmt)
     try:
-        rendered = _render(text, req, msgs, fmt, True)
+        rendered = _render(text, req, msgs, fmt, gen)
     except Exception as e:  # a template that raises on this conversation: the client's input
         if not (fmt.native and stats.memory + stats.disk):
             raise PromptError("messages", f"the chat template rejected the messages: {e}") from None
@@ -78,12 +81,34 @@ def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(),
         # (Mistral's check that user and assistant turns alternate): the calls from JSON then
         stats.reset()
         try:
-            rendered = _render(text, req, chat_messages(req, None, (), stats, fmt), fmt, True)
+            rendered = _render(text, req, chat_messages(req, None, (), stats, fmt), fmt, gen)
         except Exception as e2:
             raise PromptError("messages", f"the chat template rejected the messages: {e2}") from None
-    if req.tools:
+    if req.continue_final:
+        rendered = _cut_after_last(req, rendered)
+    elif req.tools:
         rendered += fmt.opener(tool_choice(req))
     return text.bos_text() + rendered.encode("utf-8", "surrogatepass")
+
+
+def _check_continued(req: m.GenerateRequest) -> None:
+    last = req.messages[-1] if req.messages else None
+    if last is None or last.role != "assistant" or last.tool_calls or not last.content:
+        raise PromptError("messages", "only a final assistant message with text can be continued")
+    if isinstance(tool_choice(req), dict) or tool_choice(req) == "required":
+        raise PromptError("tool_choice", "a forced tool call cannot continue an assistant message")
+
+
+def _cut_after_last(req: m.GenerateRequest, out: str) -> str:
+    """The conversation rendered as finished, cut right after the last message's text (as
+    transformers' continue_final_message does): the answer continues that text."""
+    content = req.messages[-1].content
+    for part in (content, content.strip()):
+        i = out.rfind(part)
+        if part and i >= 0:
+            return out[:i + len(part)]
+    raise PromptError("messages", "the chat template does not render the final assistant message's text "
+                                  "as written, so it cannot be continued")
 
 
 def prefix_bytes(text: TextModel, req: m.GenerateRequest, prompt: bytes) -> int:

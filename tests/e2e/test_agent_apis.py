@@ -243,6 +243,22 @@ def test_calls_stream_while_they_are_written(server):
     assert isinstance(use.input["city"], str)
 
 
+def test_messages_prefill_is_continued(server, text_model):
+    """A trailing assistant text is continued: the prompt ends with it (no end of turn, no
+    new assistant header: a few tokens more than the question alone, not the ~5 of a turn's
+    frame more) and the answer does not repeat it."""
+    client = an(server)
+    q = [{"role": "user", "content": f"Name a color. {tag()}"}]
+    prefill = "My favourite color is"
+    pre = q + [{"role": "assistant", "content": prefill}]
+    n_q = client.messages.count_tokens(model=server.health["model"], messages=q).input_tokens
+    n_pre = client.messages.count_tokens(model=server.health["model"], messages=pre).input_tokens
+    assert 0 < n_pre - n_q <= len(text_model.encode(prefill)) + 1, (n_q, n_pre)
+    m = client.messages.create(model=server.health["model"], messages=pre, max_tokens=6)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == n_pre
+    assert not any(b.text.startswith(prefill) for b in m.content if b.type == "text")
+
+
 # -- bad input, each in its own API's shape ----------------------------------------------------
 
 def test_bad_input_shapes(server):

@@ -341,6 +341,26 @@ def test_messages_request_mapping():
     assert (m[7].tool_call_id, m[7].content) == ("x1", "")
 
 
+def test_a_trailing_assistant_message_is_continued():
+    """Anthropic's prefill: a final assistant text is continued (the renderer cuts the prompt
+    after it, tests/procs/renderer/test_prompt.py); with trailing whitespace it is Anthropic's
+    400. Chat continues only with vLLM's continue_final_message."""
+    be, post, _ = make()
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "Hel"}]}]
+    assert post("/v1/messages", msg_body(messages=prefill)).status_code == 200
+    assert be.requests[-1].continue_final and be.requests[-1].messages[-1].content == "Hel"
+    assert post("/v1/messages", msg_body()).status_code == 200 and not be.requests[-1].continue_final
+    r = post("/v1/messages", msg_body(messages=[prefill[0], {"role": "assistant", "content": "Hel "}]))
+    assert r.status_code == 400 and "trailing whitespace" in r.json["error"]["message"]
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    assert post("/v1/chat/completions", {"model": "m", "messages": conv}).status_code == 200
+    assert not be.requests[-1].continue_final
+    assert post("/v1/chat/completions", {"model": "m", "messages": conv, "continue_final_message": True}).status_code == 200
+    assert be.requests[-1].continue_final
+    r = post("/v1/chat/completions", {"model": "m", "messages": conv[:1], "continue_final_message": True})
+    assert r.status_code == 400 and r.json["error"]["param"] == "continue_final_message"
+
+
 def test_messages_tool_choice_forms():
     be, post, _ = make()
     for choice, want in [({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none")]:

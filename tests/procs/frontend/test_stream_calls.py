@@ -80,3 +80,4 @@ def test_messages_input_json_streams_objects_and_wraps_the_rest():
     parts = [d["delta"]["partial_json"] for n, d in ev
              if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
     assert [json.loads(p) for p in parts] == [{"arguments": "ls -la"}]
+
