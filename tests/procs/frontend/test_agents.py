@@ -168,6 +168,10 @@ def test_responses_whole_function_call():
     assert fc["type"] == "function_call" and fc["id"].startswith("fc_") and fc["status"] == "completed"
     assert (fc["call_id"], fc["name"], fc["arguments"]) == (CID, "weather", '{"city": "Paris"}')
     assert d["tools"] == [FN_TOOL]
+    # the echo says what was done: one call per answer unless asked (README, constrained decoding)
+    assert d["parallel_tool_calls"] is False and d["store"] is False
+    both = post("/v1/responses", {"input": "weather?", "tools": [FN_TOOL], "parallel_tool_calls": True}).json
+    assert both["parallel_tool_calls"] is True and be.requests[-1].parallel_tool_calls
 
 
 def test_responses_incomplete():
