@@ -11,8 +11,10 @@ decode time and keeps whichever took less time a step (a first block far slower 
 count's last window ends it there). A probe that confirms the current count by a wide margin
 makes the wait before the next one GROW times longer (up to MAX_PERIOD_S of decode time); a
 switch, or a close call, brings it back to MIN_PERIOD_S; steps that turn much slower than the
-last probe measured (a process that just began) bring the next probe forward. A probe of
-more threads waits for idle CPU time (/proc/stat) to try them on: with none, it counts as one
+last probe measured (a process that just began) bring the next probe forward, and so do
+cores that come free while decode runs on fewer threads than configured (the other process
+ended: /proc/stat shows the idle time, FREE_WINDOWS in a row after a window without it). A
+probe of more threads waits for idle CPU time to try them on: with none, it counts as one
 that confirmed the current count.
 
 Invariant that makes this safe: the decode kernels' results do not depend on the thread count
@@ -49,6 +51,9 @@ SLOWER = 1.5          # SLOW_WINDOWS in a row this much slower a step than the l
 SLOW_WINDOWS = 2      # probe at once (not for one probe of another server, which lasts < 2)
 JITTER = 0.25         # periods vary this much either way: two servers on one machine do not
                       # probe in step (both on more threads at once is the worst case of all)
+FREE_WINDOWS = 2      # watch windows in a row with idle cores for more threads, after one
+                      # without: probe more threads at once (only on that change, so that
+                      # idle time more threads cannot use does not probe at every window)
 FREE_SHARE = 0.5      # a probe of more threads needs this share of the extra threads' cores
                       # idle over the last window: on a machine that others keep busy, one
                       # step on more threads took 1.5 s (two f32 servers on 2 cores)
@@ -102,6 +107,8 @@ class DecodeThreads:
         self.recent: tuple[float, object] | None = None
         self.watch = [0.0, 0]            # seconds, steps of the current window
         self.slow = 0                    # windows in a row slower than SLOWER * ref
+        self.freed = -1                  # windows in a row with idle cores for more threads
+                                         # since one without (-1: none without yet)
         self.rng = random.Random()
         self.log = log
         self.switches = 0
@@ -186,6 +193,13 @@ class DecodeThreads:
         self.slow = self.slow + 1 if slow else 0
         if self.slow >= SLOW_WINDOWS:
             self.next_probe, self.slow = self.clock, 0
+        if self.i > 0:
+            if not self._free(self.counts[self.i - 1] - self.current):
+                self.freed = 0
+            elif self.freed >= 0:
+                self.freed += 1
+                if self.freed >= FREE_WINDOWS:
+                    self.next_probe, self.down, self.freed = self.clock, False, -1
 
     def _decide(self) -> None:
         def per_step(idx: int) -> float:

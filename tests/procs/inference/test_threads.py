@@ -223,3 +223,23 @@ def test_decode_logits_do_not_depend_on_the_thread_count(model_path, dtype):
         torch.set_num_threads(before)
     assert len(fixed) == len(mixed) == 12
     assert all(torch.equal(a, b) for a, b in zip(fixed, mixed))
+
+
+def test_a_core_that_comes_free_is_noticed_before_the_period_ends():
+    """At 1 thread beside a busy process, the probes have grown to MAX_PERIOD_S; when the
+    process ends, the idle core brings a probe of 2 threads within a few windows."""
+    ctl = controller(2)
+    ctl.i = 1
+    drive(ctl, BUSY, 60)
+    assert ctl.current == 1 and ctl.period == th.MAX_PERIOD_S
+    drive(ctl, QUIET, th.WATCH_S * (th.FREE_WINDOWS + 1) + th.BLOCKS * th.BLOCK_S + 0.05)   # << MAX_PERIOD_S
+    assert ctl.current == 2
+
+
+def test_idle_time_more_threads_cannot_use_does_not_probe_at_every_window():
+    """Idle cores all along, yet 2 threads slower (say a process that wakes often): only the
+    periodic probes, which grow apart, try 2 threads."""
+    ctl = controller(2)
+    ctl.i = 1
+    spent = drive(ctl, Load({2: 9.0e-3, 1: 4.6e-3}), 120)
+    assert ctl.current == 1 and spent[2] < 0.03 * 120, spent
