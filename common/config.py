@@ -83,6 +83,9 @@ class Settings:
     top_p: float = opt(1.0, "top-p of a request that sets none (1 = off)", ("web",))
     min_p: float = opt(0.0, "min-p of a request that sets none (0 = off)", ("web",))
     seed: int = opt(-1, "sampling seed of a request that sets none (-1 = a fresh one each request)", ("web",))
+    repeat_penalty: float = opt(1.0, "repeat penalty of a request that sets none (1 = off; Qwen2.5 "
+                                "recommends 1.05)", ("web",))
+    repeat_last_n: int = opt(64, "tokens the repeat penalty looks back over (-1 = the whole context)", ("web",))
     log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
     # disk KV cache (names and defaults of ds4-server, docs/kv-format.md)
     kv_disk_dir: str = opt("", "checkpoint directory; empty disables the disk cache")

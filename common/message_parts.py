@@ -21,6 +21,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), OpenAI's logit_bias
     presence_penalty: float = 0.0       # subtracted from the logit of a token the answer already holds
     frequency_penalty: float = 0.0      # ... times the number of times it holds it
+    repeat_penalty: float = 1.0         # llama.cpp's repeat penalty (vLLM's repetition_penalty): a
+                                        # token among the last repeat_last_n of prompt and answer has
+                                        # its logit divided by it (multiplied where negative)
+    repeat_last_n: int = 64             # how many (-1: the whole context)
 
 
 class ToolCallFunction(msgspec.Struct, frozen=True):

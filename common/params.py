@@ -30,6 +30,10 @@ def validate_sampling(p: SamplingParams, vocab: int = 0) -> None:
         raise ParamError("min_p", "min_p must be in [0, 1]")
     if not (0 <= p.top_logprobs <= MAX_TOP_LOGPROBS):
         raise ParamError("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+    if not (0 < p.repeat_penalty <= 10):
+        raise ParamError("repetition_penalty", "repetition_penalty must be in (0, 10]")
+    if p.repeat_last_n < -1:
+        raise ParamError("repeat_last_n", "repeat_last_n must be >= -1")
     for name in ("presence_penalty", "frequency_penalty"):
         if not (-2 <= getattr(p, name) <= 2):
             raise ParamError(name, f"{name} must be between -2 and 2")

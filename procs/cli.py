@@ -66,7 +66,7 @@ def _generate(argv) -> int:
     t0 = time.perf_counter()
     sess.prefill(ids)
     t1 = time.perf_counter()
-    sampler, detok, n = Sampler(params), Detokenizer(text.pieces), 0
+    sampler, detok, n = Sampler(params, ids), Detokenizer(text.pieces), 0
     logits = sess.logits
     for _ in range(min(params.max_tokens, ctx - len(ids))):
         tok, _, _ = sampler(logits)

@@ -71,6 +71,12 @@ def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def _repeat_penalty(body: dict, default: float) -> float:
+    if body.get("repetition_penalty") is not None:
+        return get_num(body, "repetition_penalty", default)
+    return get_num(body, "repeat_penalty", default)
+
+
 def get_bool(body: dict, key: str, default: bool = False) -> bool:
     v = body.get(key)
     if v is None:
@@ -109,18 +115,21 @@ def check_model(body: dict, served_id: str, strict: bool) -> None:
 def set_defaults(settings) -> None:
     global DEFAULTS
     d = SamplingParams(temperature=settings.temp, top_k=settings.top_k, top_p=settings.top_p,
-                       min_p=settings.min_p, seed=settings.seed if settings.seed >= 0 else None)
+                       min_p=settings.min_p, seed=settings.seed if settings.seed >= 0 else None,
+                       repeat_penalty=settings.repeat_penalty, repeat_last_n=settings.repeat_last_n)
     try:
         validate_sampling(d)
     except ParamError as e:
-        raise SystemExit(f"error: the sampling defaults (--temp, --top-k, --top-p, --min-p): {e}") from None
+        raise SystemExit(f"error: the sampling defaults (--temp, --top-k, --top-p, --min-p, --repeat-penalty, "
+                         f"--repeat-last-n): {e}") from None
     DEFAULTS = d
 
 
 def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int = 0,
              lo: int = 0) -> SamplingParams:
     """The sampling fields the API has (`keys`, among temperature, top_p, top_k, min_p, seed,
-    ignore_eos, logit_bias, presence_penalty, frequency_penalty)
+    ignore_eos, logit_bias, presence_penalty, frequency_penalty, repetition_penalty (vLLM's name;
+    llama.cpp's repeat_penalty is taken too), repeat_last_n)
     and its token limit (`max_key`; absent: until the context is full). The one place the
     limit is clamped before the renderer fits it to the context."""
     mt = get_int(body, max_key)
@@ -137,7 +146,11 @@ def sampling(body: dict, max_key: str, keys: tuple[str, ...], top_logprobs: int 
                        top_logprobs=top_logprobs,
                        logit_bias=logit_bias(body) if "logit_bias" in keys else (),
                        presence_penalty=get_num(body, "presence_penalty", 0.0) if "presence_penalty" in keys else 0.0,
-                       frequency_penalty=get_num(body, "frequency_penalty", 0.0) if "frequency_penalty" in keys else 0.0)
+                       frequency_penalty=get_num(body, "frequency_penalty", 0.0) if "frequency_penalty" in keys else 0.0,
+                       repeat_penalty=_repeat_penalty(body, d.repeat_penalty) if "repetition_penalty" in keys
+                       else d.repeat_penalty,
+                       repeat_last_n=get_int(body, "repeat_last_n", d.repeat_last_n) if "repeat_last_n" in keys
+                       else d.repeat_last_n)
     try:
         validate_sampling(p)
     except ParamError as e:

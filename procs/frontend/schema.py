@@ -20,7 +20,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def _sampling(body: dict, top_logprobs: int) -> SamplingParams:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return sampling(body, key, ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logit_bias",
-                                "presence_penalty", "frequency_penalty"), top_logprobs)
+                                "presence_penalty", "frequency_penalty", "repetition_penalty", "repeat_last_n"),
+                    top_logprobs)
 
 
 def _n(body: dict) -> None:

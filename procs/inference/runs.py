@@ -170,7 +170,7 @@ class Runs:
         sess, job = run.sess, run.job
         run.got[len(sess)] = sess.logits
         run.t1, run.ready = time.perf_counter(), time.monotonic()
-        run.sampler = Sampler(job.sampling)
+        run.sampler = Sampler(job.sampling, run.ids)
         run.guide = self.guides.start(job.constraint)
         run.stop_ids = frozenset(job.sampling.stop_ids)
         run.budget = min(job.sampling.max_tokens, self.n_ctx - len(sess))

@@ -1,6 +1,7 @@
 """Token sampling: greedy at temperature 0, else temperature / top-k / top-p / min-p; before
 either, OpenAI's logit_bias and presence / frequency penalties (counted over the answer's
-own tokens, as OpenAI and vLLM count them).
+own tokens, as OpenAI and vLLM count them), and llama.cpp's repeat penalty (over the last
+repeat_last_n tokens of prompt and answer, as llama.cpp looks back).
 
 A request's seed drives its own torch.Generator, so a seeded run is reproducible whatever
 else the process did before. Log-probabilities are the model's (log-softmax of the raw
@@ -8,19 +9,26 @@ logits), as OpenAI reports them, not of the filtered distribution.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from common.messages import SamplingParams
 
 
 class Sampler:
-    def __init__(self, p: SamplingParams):
+    def __init__(self, p: SamplingParams, history=()):
+        """history: the prompt's token ids (the repeat penalty looks back into them)."""
         self.p = p
         self.gen = None
         if p.temperature > 0:
             self.gen = torch.Generator(device="cpu")
             self.gen.manual_seed(p.seed if p.seed is not None else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
-        self.shapes = bool(p.logit_bias or p.presence_penalty or p.frequency_penalty)
+        self.recent: collections.deque | None = None    # the tokens the repeat penalty sees
+        if p.repeat_penalty != 1.0 and p.repeat_last_n != 0:
+            n = p.repeat_last_n if p.repeat_last_n > 0 else None
+            self.recent = collections.deque(list(history)[-n:] if n else history, maxlen=n)
+        self.shapes = bool(p.logit_bias or p.presence_penalty or p.frequency_penalty or self.recent is not None)
         self.counts: torch.Tensor | None = None     # how often each token was picked (penalties)
         self.bias: torch.Tensor | None = None
 
@@ -39,12 +47,19 @@ class Sampler:
         if p.frequency_penalty or p.presence_penalty:
             adj = adj - self.counts * p.frequency_penalty - (self.counts > 0).float() * p.presence_penalty
         out = x + adj
+        if self.recent:
+            idx = torch.tensor(sorted(set(self.recent)), dtype=torch.long)
+            idx = idx[idx < out.shape[0]]
+            v = out[idx]
+            out[idx] = torch.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
         # a grammar's choice is never banned away: with nothing left, the grammar wins
         return out if bool(torch.isfinite(out).any()) else x
 
     def picked(self, tok: int) -> None:
         if self.counts is not None and tok < self.counts.shape[0]:
             self.counts[tok] += 1
+        if self.recent is not None:
+            self.recent.append(tok)
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor | None = None
                  ) -> tuple[int, float, list[tuple[int, float]]]:

@@ -220,6 +220,11 @@ def test_logit_bias_and_penalties(server, text_model):
         assert v - 2 * seen.get(tok, 0) >= best - 1e-3, (tok, v, top, seen)
         seen[tok] = seen.get(tok, 0) + 1
     assert pen.text != base.text, pen.text
+    # llama.cpp's repeat penalty looks back into the prompt: counting, every digit is there
+    rep = complete(max_tokens=16, logprobs=1, extra_body={"repetition_penalty": 10.0})
+    window = {text_model.pieces[i].decode("utf-8", "replace") for i in text_model.encode(COUNTING.encode())}
+    assert base.logprobs.tokens[0] in window and rep.logprobs.tokens[0] not in window, (rep.logprobs.tokens, window)
+    assert complete(max_tokens=16, extra_body={"repetition_penalty": 10.0, "repeat_last_n": 0}).text == base.text
 
 
 def _pick_stop(text: str) -> str:

@@ -395,6 +395,8 @@ BAD_CHAT = [
     (chat_body(logit_bias={"5": "high"}), "logit_bias", None),
     (chat_body(presence_penalty=2.01), "presence_penalty", None),
     (chat_body(frequency_penalty="x"), "frequency_penalty", None),
+    (chat_body(repetition_penalty=0), "repetition_penalty", None),
+    (chat_body(repeat_last_n=-2), "repeat_last_n", None),
     (chat_body(messages=[{"role": "user", "content": "hi"}, {"role": "assistant"}]), "messages[1].content", None),
     (chat_body(tools={"a": 1}), "tools", None),
     (chat_body(tool_choice=3), "tool_choice", None),
@@ -644,3 +646,10 @@ def test_logit_bias_and_penalties_reach_the_request():
     assert r.status_code == 200
     p = be.requests[0].sampling
     assert (p.logit_bias, p.presence_penalty, p.frequency_penalty) == (((3, -100.0), (12, 5.0)), 0.5, -1.0)
+    assert (p.repeat_penalty, p.repeat_last_n) == (1.0, 64)          # the server's defaults
+    c.simulate_post("/v1/chat/completions", json=chat_body(repetition_penalty=1.1, repeat_last_n=-1))
+    c.simulate_post("/v1/completions", json={"prompt": "x", "repeat_penalty": 1.3})     # llama.cpp's name
+    assert [(r.sampling.repeat_penalty, r.sampling.repeat_last_n) for r in be.requests[1:]] == [(1.1, -1), (1.3, 64)]
+    be2, c2 = make(repeat_penalty=1.05, repeat_last_n=32)             # --repeat-penalty, --repeat-last-n
+    c2.simulate_post("/v1/chat/completions", json=chat_body())
+    assert (be2.requests[0].sampling.repeat_penalty, be2.requests[0].sampling.repeat_last_n) == (1.05, 32)

@@ -66,3 +66,16 @@ def test_logit_bias_and_penalties_shape_the_pick_not_the_logprobs():
     # sample_many leaves a shaped greedy row to its own Sampler
     got = sample_many([Sampler(SamplingParams(logit_bias=((2, 5.0),)))], [x], [None], together=True)
     assert got[0][0] == 2
+
+
+def test_the_repeat_penalty_looks_back_over_prompt_and_answer():
+    """llama.cpp's rule: a token among the last repeat_last_n (the prompt's included) has its
+    logit divided by the penalty, multiplied where negative; older tokens go free again."""
+    x = torch.tensor([5.0, 4.0, 3.0, -1.0])
+    s = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=1), history=[7, 0])
+    assert [s(x)[0] for _ in range(4)] == [1, 0, 1, 0]          # 5 / 2 < 4, then 0 is out of the window
+    s = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=-1), history=[0, 1, 2])
+    assert [s(x)[0] for _ in range(3)] == [0, 0, 0]               # 2.5 > 2 > 1.5, however often 0 is there
+    neg = torch.tensor([-1.0, -1.5, -3.0, -4.0])
+    assert Sampler(SamplingParams(repeat_penalty=2.0), history=[0])(neg)[0] == 1   # -1 * 2 < -1.5
+    assert Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=0), history=[0])(x)[0] == 0   # off
