@@ -37,10 +37,18 @@ def _message_dict(msg: m.ChatMessage) -> dict:
     return d
 
 
+# written after a continued message's text and cut there (private-use characters: no template
+# alters them, and text found elsewhere, such as in the end-of-turn marker, is not taken for it)
+CUT = "\ue000ricordo-continue\ue000"
+
+
 def chat_messages(req: m.GenerateRequest, memory, index_sha1s, stats, fmt: toolfmt.Format) -> list[dict]:
     tool_list = json.loads(req.tools) if req.tools else []
-    return tools.prepare_messages([_message_dict(x) for x in req.messages], tool_list, memory,
-                                  index_sha1s, stats, fmt)
+    out = tools.prepare_messages([_message_dict(x) for x in req.messages], tool_list, memory,
+                                 index_sha1s, stats, fmt)
+    if req.continue_final and out:
+        out[-1]["content"] += CUT
+    return out
 
 
 def _render(text: TextModel, req: m.GenerateRequest, msgs: list[dict], fmt: toolfmt.Format,
@@ -68,7 +76,7 @@ def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(),
         return text.bos_text() + req.prompt.encode("utf-8", "surrogatepass")
     fmt = toolfmt.detect(text.chat_template)
     if req.continue_final:
-        _check_continued(req)
+        _check_continued(req, fmt)
     gen = not req.continue_final
     stats = stats if stats is not None else tools.Rendered()
     msgs = chat_messages(req, memory, index_sha1s, stats, fmt)
@@ -85,30 +93,34 @@ def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(),
         except Exception as e2:
             raise PromptError("messages", f"the chat template rejected the messages: {e2}") from None
     if req.continue_final:
-        rendered = _cut_after_last(req, rendered)
+        rendered = _cut_after_last(rendered)
     elif req.tools:
         rendered += fmt.opener(tool_choice(req))
     return text.bos_text() + rendered.encode("utf-8", "surrogatepass")
 
 
-def _check_continued(req: m.GenerateRequest) -> None:
+def _check_continued(req: m.GenerateRequest, fmt: toolfmt.Format) -> None:
+    """What a continued answer cannot be: constrained decoding starts from the answer's
+    beginning, which the prefill has passed."""
     last = req.messages[-1] if req.messages else None
     if last is None or last.role != "assistant" or last.tool_calls or not last.content:
         raise PromptError("messages", "only a final assistant message with text can be continued")
     if isinstance(tool_choice(req), dict) or tool_choice(req) == "required":
         raise PromptError("tool_choice", "a forced tool call cannot continue an assistant message")
+    if req.response_format:
+        raise PromptError("response_format", "an answer held to a format cannot continue an assistant message")
+    if req.tools and fmt.trigger in last.content:
+        raise PromptError("messages", "an assistant message that opens a tool call cannot be continued")
 
 
-def _cut_after_last(req: m.GenerateRequest, out: str) -> str:
-    """The conversation rendered as finished, cut right after the last message's text (as
-    transformers' continue_final_message does): the answer continues that text."""
-    content = req.messages[-1].content
-    for part in (content, content.strip()):
-        i = out.rfind(part)
-        if part and i >= 0:
-            return out[:i + len(part)]
-    raise PromptError("messages", "the chat template does not render the final assistant message's text "
-                                  "as written, so it cannot be continued")
+def _cut_after_last(out: str) -> str:
+    """The conversation rendered as finished, cut right after the last message's text (where
+    CUT was written; transformers' continue_final_message cuts at the text itself)."""
+    i = out.rfind(CUT)
+    if i < 0:
+        raise PromptError("messages", "the chat template does not render the final assistant message's text, "
+                                      "so it cannot be continued")
+    return out[:i]
 
 
 def prefix_bytes(text: TextModel, req: m.GenerateRequest, prompt: bytes) -> int:

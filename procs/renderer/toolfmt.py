@@ -226,11 +226,30 @@ def _call_of(obj) -> tuple[str, str]:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def scan(f: Format, s: str, i: int) -> tuple[list[tuple[str, str]], int, bool]:
+def scan(f: Format, s: str, i: int, after: int = 0) -> tuple[list[tuple[str, str]], int, bool]:
     """Parse the call(s) that open at s[i] (s[i:] starts with the trigger): (calls, end,
-    more) where `more` says whether another call may follow. Incomplete or ValueError."""
+    more) where `more` says whether another call may follow. Incomplete or ValueError.
+    `after`: a tags call's closing tag is looked for from there on (the end of its arguments,
+    when known: a string inside them may hold the tag)."""
     if f.kind == "tags":
-        b = s.find(f.close, i)
+        rest = None   # after a whole JSON value first: a string inside it may hold the tag
+        try:
+            obj, end = json_value(s, i + len(f.trigger))
+            rest = s[end:].lstrip()
+        except ValueError:
+            pass
+        except Incomplete:
+            if s.find(f.close, max(i, after)) < 0:
+                raise
+        if rest is not None and rest.startswith(f.close):
+            try:
+                calls = [_call_of(obj)]
+            except ValueError:       # JSON, but not a call: skipped, as a malformed one
+                calls = []
+            return calls, len(s) - len(rest) + len(f.close), True
+        if rest is not None and f.close.startswith(rest):
+            raise Incomplete
+        b = s.find(f.close, max(i, after))
         if b < 0:
             raise Incomplete
         try:

@@ -244,15 +244,23 @@ class CallParser:
             a = self.buf.find(self.fmt.trigger, self.scan)
             if self.fence != 1 and (a < 0 or self.buf[self.scan:a].strip()):
                 return pieces
+            after = 0       # where a streamed call's closing tag may begin: after its value
+            if self.live is not None:
+                pieces += self._growing()
+                vs = self.live[4]
+                if not vs.kind or (vs.kind in "{[" and not vs.whole):
+                    return pieces   # a closing tag before the value's end is inside a string
+                after = self.live[3] + vs.n if vs.kind in "{[" else 0
             try:
                 found, end, self.more = toolfmt.scan_fenced(self.buf, self.names, final) if self.fence == 1 \
-                    else toolfmt.scan(self.fmt, self.buf, a)
+                    else toolfmt.scan(self.fmt, self.buf, a, after)
             except toolfmt.Incomplete:
                 return pieces + self._growing()
             except ValueError:      # not a call after all: the block ends before it
                 self.more = False
-                if self.live is not None:   # what the client has of it stays a call
+                if self.live is not None:   # what the client has of it stays a call, in the block
                     pieces += self._close_live([], len(self.buf))
+                    self.scan = len(self.buf)
                 return pieces
             if self.live is not None:
                 pieces += self._close_live(found, end)

@@ -37,3 +37,22 @@ def test_what_cannot_be_continued(text_model):
     assert e.value.param == "tool_choice"
     # auto tools: the prefill is continued, no call opener after it
     assert render(text_model, req(CONV, continue_final=True, tools=tools)).endswith(b"France is")
+
+
+@pytest.mark.parametrize("prefill", ["<", ">", "im", "end", "|", "a  "])
+def test_a_prefill_found_in_the_end_of_turn_marker_still_ends_the_prompt(text_model, prefill):
+    """ChatML's `<|im_end|>` holds `<`, `>`, `im`, `end` and `|`: the prompt is cut after the
+    message's own text, not inside the marker (trailing spaces kept as the client wrote them)."""
+    cont = render(text_model, req([CONV[0], m.ChatMessage(role="assistant", content=prefill)], continue_final=True))
+    before = render(text_model, req(CONV[:1]))
+    assert cont == before + prefill.encode()
+
+
+def test_a_constrained_answer_cannot_continue(text_model):
+    with pytest.raises(PromptError) as e:
+        render(text_model, req(CONV, continue_final=True, response_format='{"type": "json_object"}'))
+    assert e.value.param == "response_format"
+    tools = '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]'
+    opened = (CONV[0], m.ChatMessage(role="assistant", content='<tool_call>\n{"name": "f", "arguments": {'))
+    with pytest.raises(PromptError):
+        render(text_model, req(opened, continue_final=True, tools=tools))

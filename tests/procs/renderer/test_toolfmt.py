@@ -372,3 +372,15 @@ def test_an_array_of_calls_and_unconstrained_calls_go_out_whole():
         assert pieces == []
         _, pieces = stream(p, text[-2:], step=1)
         assert whole(pieces)[0][1:] == ("get_weather", json.dumps(NESTED))
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_closing_tag_inside_a_streamed_string_argument_is_text(step):
+    """An agent editing a file that holds the Hermes syntax: `</tool_call>` inside a string
+    argument does not close the streamed call (it did, leaving the arguments cut mid-string)."""
+    args = {"path": "t.py", "text": "x = '</tool_call>'\n"}
+    text = generated(toolfmt.HERMES, [("get_weather", args)])
+    p = t.CallParser(fmt=toolfmt.HERMES, names={"get_weather"}, grow=True)
+    _, pieces = stream(p, text, step)
+    assert [(n, json.loads(a)) for _, n, a in whole(pieces)] == [("get_weather", args)]
+    assert p.calls[0][2] == json.dumps(args) and p.block == text
