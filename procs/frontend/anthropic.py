@@ -56,7 +56,10 @@ def _message(ex: falcon.HTTPError, req) -> str:
 
 def error_shape(ex: falcon.HTTPError, req) -> dict:
     """What errors.serialize_error writes for our paths."""
-    return error_body(ex.status_code, _message(ex, req))
+    body = error_body(ex.status_code, _message(ex, req))
+    if isinstance(ex, errors.ApiError) and ex.oa_code == "thread_not_found":   # what the SDK looks for
+        body["error"]["details"] = {"error_code": "thread_not_found"}
+    return body
 
 
 def ours(req) -> bool:

@@ -8,6 +8,11 @@ Blocks the model cannot read (images, thinking, server tool results) are left ou
 once per type; `document` blocks with a text source render as text. Volatile per-session
 headers go before rendering (normalize.py).
 
+Server-side threads (the SDK's beta `thread`): none are kept. `create` is accepted (the
+request carries the whole conversation) and `continue` is answered 404 `thread_not_found`,
+on which the SDK sends the whole conversation again; before, `continue` was answered from
+the new messages alone, without the history, the system prompt or the tools.
+
 Tool-use ids round-trip for exact replay: the renderer's call id `call_<hex>` goes out as
 `toolu_<hex>`, and any `toolu_<x>` a client sends back is read as `call_<x>`, so an answer
 the model gave renders again as the very bytes it sampled (and the KV cache matches it).
@@ -18,7 +23,7 @@ import logging
 
 from common.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallFunction
 from procs.frontend import normalize
-from procs.frontend.errors import bad
+from procs.frontend.errors import ApiError, bad
 from procs.frontend.fields import (function_tool, get_bool, session_hint, json_text, message_role, named_choice, sampling,
                                    stops)
 from procs.frontend.flow import Job
@@ -169,8 +174,21 @@ def _output_format(body: dict) -> str:
     return json_text({"type": "json_schema", "schema": fmt["schema"], "strict": True})
 
 
+def _thread(body: dict) -> None:
+    t = body.get("thread")
+    if t is None:
+        return
+    kind = t.get("type") if isinstance(t, dict) else None
+    if kind == "continue":
+        raise ApiError(404, "thread not found: this server keeps no threads; send the whole conversation",
+                       param="thread", code="thread_not_found")
+    if kind != "create":
+        raise bad("thread", "'thread' must be {\"type\": \"create\"} or {\"type\": \"continue\", ...}")
+
+
 def parse(body: dict, rid: str, count_only: bool = False) -> Job:
     """`count_only`: /v1/messages/count_tokens, which needs no max_tokens."""
+    _thread(body)
     if body.get("max_tokens") is None and not count_only:
         raise bad("max_tokens", "Field required")
     params = sampling(body, "max_tokens", ("temperature", "top_p", "top_k"), lo=1)

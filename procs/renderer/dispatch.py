@@ -62,6 +62,16 @@ class Dispatch:
                 m.LiveSession(sid=sid, tokens=ls.tokens[:busy[sid]], keep_from=ls.keep_from)
                 for sid, ls in self.live.items()}
 
+    def no_calls(self, sampling: m.SamplingParams) -> m.SamplingParams:
+        """tool_choice none: a format whose call opener is one token (Qwen's `<tool_call>`)
+        gets that token banned, else a model that saw calls in the history writes one as
+        text. A longer opener is left to the model."""
+        trig = self.text.encode(self.call_format.trigger.encode())
+        if len(trig) != 1:
+            return sampling
+        return msgspec.structs.replace(sampling, logit_bias=tuple(sorted({**dict(sampling.logit_bias),
+                                                                           trig[0]: -100.0}.items())))
+
     def send_job(self, p: Pending, pl) -> None:
         for line in pl.notes:
             self.trace.line(line)
@@ -73,7 +83,9 @@ class Dispatch:
         p.stream = TextStream(self.text, p.req.stop)
         if p.req.tools:
             choice = tool_choice(p.req)
-            if choice != "none":
+            if choice == "none":
+                sampling = self.no_calls(sampling)
+            else:
                 c = p.constraint
                 p.calls = tools.CallParser(opened=self.call_format.opener(choice), fmt=self.call_format,
                                            names=grammar.names(p.req.tools), grow=c is not None,

@@ -259,6 +259,25 @@ def test_messages_prefill_is_continued(server, text_model):
     assert not any(b.text.startswith(prefill) for b in m.content if b.type == "text")
 
 
+def test_messages_thread_of_the_sdk_sends_the_whole_conversation(server):
+    """The anthropic SDK's beta thread (its tool_runner's default): the server keeps no
+    threads, so the second turn's `continue` is refused and the SDK resends the history;
+    before, the turn was answered without the history or the system prompt."""
+    seen = []
+    http = anthropic.DefaultHttpxClient(event_hooks={"request": [
+        lambda r: seen.append(json.loads(r.content)) if r.method == "POST" else None]})
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0, http_client=http)
+    if not hasattr(client.beta.messages, "thread"):
+        pytest.skip(f"anthropic {anthropic.__version__} has no message threads")
+    t = client.beta.messages.thread(model=server.health["model"], max_tokens=4, system=f"Be brief. {tag()}")
+    t.send({"role": "user", "content": "My name is Zed."})
+    r2 = t.send({"role": "user", "content": "What is my name?"})
+    assert r2.content is not None
+    last = seen[-1]
+    assert last.get("thread", {}).get("type") != "continue", last
+    assert [x["role"] for x in last["messages"]] == ["user", "assistant", "user"] and last["system"], last
+
+
 # -- bad input, each in its own API's shape ----------------------------------------------------
 
 def test_bad_input_shapes(server):

@@ -365,6 +365,18 @@ def test_a_trailing_assistant_message_is_continued():
     assert r.status_code == 400 and r.json["error"]["param"] == "continue_final_message"
 
 
+def test_message_threads_are_not_kept():
+    """The SDK's beta threads: `continue` is the 404 on which it sends the whole conversation
+    again (it was answered from the new messages alone), `create` is a request like any other."""
+    be, post, _ = make()
+    r = post("/v1/messages", msg_body(thread={"type": "continue", "previous_message_id": "msg_x"}))
+    assert r.status_code == 404 and be.requests == []
+    assert r.json["error"]["type"] == "not_found_error"
+    assert r.json["error"]["details"] == {"error_code": "thread_not_found"}
+    assert post("/v1/messages", msg_body(thread={"type": "create"})).status_code == 200
+    assert post("/v1/messages", msg_body(thread="x")).status_code == 400
+
+
 def test_messages_tool_choice_forms():
     be, post, _ = make()
     for choice, want in [({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none")]:

@@ -110,3 +110,24 @@ def test_one_at_a_time_with_parallel_one(make):
     assert jobs(r) == ["a"]
     done(r, "a", 1)
     assert jobs(r) == ["a", "x"]
+
+
+def test_tool_choice_none_bans_a_one_token_call_opener(text_model):
+    """Qwen's `<tool_call>` is one token: under tool_choice none it is banned (a model that
+    saw calls in the history wrote one as text); SmolLM2's generic opener is several tokens
+    and left to the model. The client's own logit_bias is kept."""
+    import types
+
+    from common.models import ModelError, load_text, resolve
+    from procs.renderer import toolfmt
+    from procs.renderer.dispatch import Dispatch
+    try:
+        qwen = load_text(resolve("qwen2.5-coder-0.5b", Settings().models_path()), "")
+    except ModelError as e:
+        pytest.skip(f"qwen2.5-coder-0.5b is not fetched: {e}")
+    opener = qwen.encode(b"<tool_call>")
+    assert len(opener) == 1
+    own = m.SamplingParams(logit_bias=((5, 2.0),))
+    got = Dispatch.no_calls(types.SimpleNamespace(text=qwen, call_format=toolfmt.HERMES), own)
+    assert got.logit_bias == tuple(sorted({5: 2.0, opener[0]: -100.0}.items()))
+    assert Dispatch.no_calls(types.SimpleNamespace(text=text_model, call_format=toolfmt.GENERIC), own) is own
