@@ -37,6 +37,15 @@ def huge_kb(*tensors: torch.Tensor) -> int:
     return total
 
 
+def fallbacks() -> int:
+    """The kernel's count of faults on advised memory it could not serve with a huge page
+    (fragmented memory: seen on this shared machine, a fork 66 MB short of huge pages)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("thp_fault_fallback "):
+            return int(line.split()[1])
+    return 0
+
+
 def test_only_sessions_filled_whole_are_on_huge_pages(model_path):
     m = Llama(load(model_path, torch.float32, "cpu"), 4096, packed=False)
     n = 3000
@@ -50,14 +59,15 @@ def test_only_sessions_filled_whole_are_on_huge_pages(model_path):
     for fill in ("copy_prefix", "import_"):
         for huge in (True, False):
             s = KVSession(m, 4096, 512, huge_pages=huge)
+            before = fallbacks()
             if fill == "copy_prefix":
                 s.copy_prefix(src, n)
             else:
                 s.import_(tokens, None, k, v)
             grew = huge_kb(s.k, s.v)
             # K and V of 30 layers x 3 heads x 3,072 rows x 64 f32: 70 MB each
-            if huge:
-                assert grew >= 2 * 64 << 10, (fill, grew)
+            if huge:   # each fault the kernel could not serve huge costs at most one 2 MB extent
+                assert grew >= (2 * 64 << 10) - 2048 * (fallbacks() - before), (fill, grew)
             else:
                 assert grew < 2048, (fill, grew)
             assert torch.equal(s.k[:, :, :n], src.k[:, :, :n]) and s.tokens == src.tokens
@@ -89,13 +99,19 @@ def test_a_restored_windowed_layer_stays_on_small_pages():
     row = m.cfg.n_kv_heads * m.cfg.head_dim * 4                  # bytes per row of a layer
     layer_kb = -(-n // 512) * 512 * row >> 10                    # a layer's capacity
     s = KVSession(m, 8192, 512)
+    before = fallbacks()
     s.import_(tokens, None, k, v)
     grew = huge_kb(s.k, s.v)
-    # K and V: each global layer's span holds at least one whole 2 MB extent, and at most its own size
-    assert 2 * len(glob) * 2048 <= grew <= 2 * len(glob) * layer_kb, (grew, glob, layer_kb)
+    # K and V: each global layer's span holds at least one whole 2 MB extent (less one for each
+    # fault the kernel could not serve huge), and at most its own size
+    short = 2048 * (fallbacks() - before)
+    assert 2 * len(glob) * 2048 - short <= grew <= 2 * len(glob) * layer_kb, (grew, glob, layer_kb, short)
     for li, w in enumerate(windows):
         r = min(n, w) if w else n
         assert torch.equal(s.k[li, :, n - r:n], src.k[li, :, n - r:n])
     fork = KVSession(m, 8192, 512)
+    before = fallbacks()
     fork.copy_prefix(s, n)
-    assert huge_kb(fork.k, fork.v) >= 2 * (len(windows) * layer_kb - 2048), "a fork's rows off huge pages"
+    short = 2048 * (fallbacks() - before)
+    assert huge_kb(fork.k, fork.v) >= 2 * (len(windows) * layer_kb - 2048) - short, ("a fork's rows off huge pages",
+                                                                                      short)
