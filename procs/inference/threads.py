@@ -145,10 +145,10 @@ class DecodeThreads:
             self.probe = [[self.other, 0.0, 0]]
         return self.counts[self.probe[-1][0]]
 
-    def _free(self, extra: int) -> bool:
+    def _free(self, extra: int, now: tuple[int, int] | None = None) -> bool:
         """Whether FREE_SHARE of `extra` cores were idle lately: since the last watch window
         began, or the one before where that is under 0.2 s (ticks are 10 ms a CPU)."""
-        idle, total = self.ticks()
+        idle, total = now or self.ticks()
         since = self.stat if total - self.stat[1] >= 20 * self.n_cpus else self.last_stat
         d_total = total - since[1]
         if d_total <= 0:
@@ -194,7 +194,7 @@ class DecodeThreads:
         if self.slow >= SLOW_WINDOWS:
             self.next_probe, self.slow = self.clock, 0
         if self.i > 0:
-            if not self._free(self.counts[self.i - 1] - self.current):
+            if not self._free(self.counts[self.i - 1] - self.current, self.stat):   # read just now
                 self.freed = 0
             elif self.freed >= 0:
                 self.freed += 1
