@@ -94,6 +94,7 @@ class Placement:
         """Put the job's session in place: (effective prompt ids, tokens reused)."""
         copied = self.session_for(job, run)
         sess, sid = run.sess, run.sid
+        self.forget_ended(sid)            # a job runs in it: a late keep no longer applies
         if job.evict and len(sess) > 0 and not copied:
             self.disk.save(sess, len(sess), sess.logits, kvfile.EVICT)
         if job.restore:

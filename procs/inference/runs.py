@@ -32,6 +32,20 @@ from procs.inference.plan import prompt_saves
 from procs.inference.sampling import Sampler, sample_many
 
 
+MAX_ENDED = 64    # ended jobs whose late keep is still applied (runs.keep_late)
+
+
+def cut_to(sess, keep: int) -> None:
+    """Keep the session's first `keep` tokens and re-run the last for its logits (a decode row,
+    as when generated; a prefill row in exact mode), so it can still be checkpointed."""
+    last = sess.tokens[keep - 1]
+    sess.truncate(keep - 1)
+    if sess.exact:
+        sess.prefill([last])
+    else:
+        sess.decode(last)
+
+
 @dataclass(eq=False)
 class Run:
     job: m.Job
@@ -258,13 +272,15 @@ class Runs:
         keep = self.keep.pop(job.rid, -1)
         if sess.exact and len(sess) > len(run.ids) and len(run.ids) in run.got:
             self.redo_answer(run, len(run.ids), run.got[len(run.ids)], keep if 0 < keep < len(sess) else len(sess))
-        elif 0 < keep < len(sess):   # tokens the answer does not keep (after a tool call):
-            last = sess.tokens[keep - 1]   # cut them, and re-run the last kept token for
-            sess.truncate(keep - 1)        # its logits (decode rows, as when generated),
-            sess.decode(last)              # so the session can still be checkpointed
+        elif 0 < keep < len(sess):   # tokens the answer does not keep (after a tool call)
+            cut_to(sess, keep)
         t2 = time.perf_counter()
         self.active.pop(job.rid, None)
         self.cancelled.discard(job.rid)
+        if keep < 0 and job.run_last and run.sid:
+            self.ended[job.rid] = (run.sid, len(sess))
+            while len(self.ended) > MAX_ENDED:
+                self.ended.popitem(last=False)
         self.make_room(0, {run.sid}, False, job.unsaved)   # the session grew: others may leave
         self.send(self.done(job.rid, reason, run))
         source = "disk" if job.restore and run.r else ("live" if run.r else "cold")
@@ -281,6 +297,21 @@ class Runs:
         metrics.M.resident_bytes.set(self.sessions.nbytes)
         if self.model.device.type == "cuda":
             metrics.M.device_peak.set(torch.cuda.max_memory_allocated(self.model.device))
+
+    def forget_ended(self, sid: int) -> None:
+        for rid in [r for r, (s, _) in self.ended.items() if s == sid]:
+            del self.ended[rid]
+
+    def keep_late(self, rid: str, keep: int) -> None:
+        """A call's end heard after its job ended on the stop token: the session is cut as
+        end() would have cut it, if nothing has used it since (the renderer mirrors it cut)."""
+        sid, n = self.ended.pop(rid)
+        sess = self.sessions.get(sid)
+        if sess is None or len(sess) != n or not 0 < keep < n or not sess.can_keep(keep - 1):
+            return
+        cut_to(sess, keep)
+        self.trace.line(f"KV cache: session {sid} cut to {keep} tokens after its tool call")
+        metrics.M.live_tokens.set(self.sessions.tokens)
 
     def fail(self, run: Run, e: Exception) -> None:
         """The request fails; the process and the other requests go on. Its session is

@@ -43,6 +43,7 @@ class Pending:
     session: int = 0                # the resident session it runs in (0: a new one)
     reuse: int = 0                  # that session's tokens it keeps (rows below are not rewritten)
     waits_for: str = ""              # queued: the running job it follows (dispatch waits for it)
+    keep: int = -1                  # session tokens its tool call keeps (CancelJob.keep), -1: all
 
     @property
     def n_prompt(self) -> int:
@@ -80,7 +81,8 @@ class Answers:
                 # the live session keeps only the tokens inside content + block, so that it and
                 # its checkpoints stay a byte prefix of the next turn's prompt
                 k = sum(1 for b in p.gen_bytes if b <= kept)
-                self.to_inference(m.CancelJob(rid=p.req.rid, keep=p.n_prompt + k))
+                p.keep = p.n_prompt + k
+                self.to_inference(m.CancelJob(rid=p.req.rid, keep=p.keep))
                 return
         if p.stream.stopped:   # a stop string: end here, and stop the model
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))

@@ -18,7 +18,7 @@ def worker_reading(addr: str, ctx: zmq.Context) -> Worker:
     w.pull = ctx.socket(zmq.PULL)
     w.pull.bind(addr)
     w.dec = m.decoder(m.InferenceIn)
-    w.jobs, w.active, w.cancelled, w.keep = collections.deque(), {}, set(), {}
+    w.jobs, w.active, w.cancelled, w.keep, w.ended = collections.deque(), {}, set(), {}, collections.OrderedDict()
     return w
 
 

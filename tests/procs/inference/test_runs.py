@@ -6,6 +6,7 @@ each of its runs and nothing else. Here on the CPU with the graphs' steps run ea
 (GraphDecoder(capture=False)); the loop around them is the server's own code."""
 from __future__ import annotations
 
+import collections
 import logging
 import types
 
@@ -241,3 +242,54 @@ def test_warmed_pools_serve_every_step_without_growing(model, monkeypatch):
     assert {k: p.k.data_ptr() for k, p in gd.pools.items()} == storage
     for x, y in zip(*got):
         assert int(x.argmax()) == int(y.argmax()) and (x - y).abs().max().item() <= 1e-4 * y.abs().max().item()
+
+
+class OneSession:
+    """Sessions' surface that end() and keep_late() read, over one session of id 1."""
+    def __init__(self, sess):
+        self.by_id, self.tokens, self.nbytes = {1: sess}, len(sess), 0
+
+    def get(self, sid: int):
+        return self.by_id.get(sid)
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+
+def test_a_keep_heard_after_its_job_ended_cuts_the_untouched_session(model, monkeypatch):
+    """A tool call's end (CancelJob keep) that reaches inference after its job ended on the
+    stop token: the session is cut to it as end() would have (the last kept token run again
+    for its logits), and only while no job has used the session since."""
+    monkeypatch.setattr(model, "graphs", None)
+    loop = Loop()
+    loop.model, loop.trace = model, types.SimpleNamespace(line=lambda s: None)
+    loop.make_room = lambda *a: True
+    loop.done = lambda rid, reason, run=None: Worker.done(loop, rid, reason, run)
+    loop.ended = collections.OrderedDict()
+    prompt, answer = _ids(40, 7), [11, 12, 13]
+
+    def ended(rid: str) -> KVSession:
+        sess = KVSession(model, 2048, 256)
+        sess.prefill(prompt + answer[:-1])
+        sess.decode(answer[-1])
+        sess.decode(2)                                        # the stop token, run (run_last)
+        job = m.Job(rid=rid, ids=tuple(prompt), reuse=0, sampling=m.SamplingParams(max_tokens=8), run_last=True)
+        loop.sessions = OneSession(sess)
+        loop.active[rid] = run = Run(job=job, t0=0.0, sid=1, sess=sess, ids=prompt)
+        loop.end(run, "stop")
+        assert loop.ended[rid] == (1, 44) and loop.sent[-1].live == tuple(prompt + answer + [2])
+        return sess
+    sess = ended("a")
+    want = KVSession(model, 2048, 256)
+    want.prefill(prompt + answer[:-1])
+    want.decode(answer[-1])
+    loop.keep_late("a", 43)
+    assert sess.tokens == prompt + answer and "a" not in loop.ended
+    assert torch.equal(sess.logits, want.logits)
+    sess = ended("b")
+    sess.decode(5)                                            # used since (by a job of its own)
+    loop.keep_late("b", 43)
+    assert len(sess) == 45 and not loop.ended
+    sess = ended("c")
+    loop.forget_ended(1)                                      # a job began in it
+    assert not loop.ended

@@ -4,6 +4,8 @@ finds the whole turn in the job's session), and a session a running job uses is 
 planned in place for another. The real Renderer on a temp run dir, messages captured."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from common import messages as m
@@ -20,8 +22,9 @@ SYSTEM = "You are a careful assistant for the railway museum. " * 12
 def make(tmp_path, keep_signals):
     made = []
 
-    def build(parallel: int) -> rs.Renderer:
-        s = Settings(run_dir=str(tmp_path / f"run{len(made)}"), kv_cache_min_tokens=16, parallel=parallel)
+    def build(parallel: int, **kw) -> rs.Renderer:
+        s = Settings(run_dir=str(tmp_path / f"run{len(made)}"), kv_cache_min_tokens=kw.pop("min_tokens", 16),
+                     parallel=parallel, **kw)
         r = rs.Renderer(s, LOG)
         r.out = Captured()
         r.to_web = lambda route, msg: r.out.web.append(msg)
@@ -110,6 +113,44 @@ def test_one_at_a_time_with_parallel_one(make):
     assert jobs(r) == ["a"]
     done(r, "a", 1)
     assert jobs(r) == ["a", "x"]
+
+
+def test_a_calls_end_heard_after_its_job_ended_is_mirrored_cut(make):
+    """Llama 3's call ends with its JSON object: the renderer sends the keep (CancelJob) at
+    the closing token, and inference may have sampled and run the stop token before the keep
+    reaches it. JobDone then lists the session with that token; inference cuts it when the
+    keep arrives, so the mirror is cut too, and the next turn (whose template renders its own
+    end of turn, not the sampled token) continues the session in place. Before, the mirror
+    kept the token, and a prompt under --kv-cache-min-tokens went cold."""
+    import json
+    r = make(parallel=4, min_tokens=512,
+             chat_template_file=str(Path(__file__).resolve().parents[2] / "data" / "templates" / "llama3.jinja"))
+    tools = json.dumps([{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}])
+    msgs = (m.ChatMessage(role="user", content="What time is it?"),)
+    req = m.GenerateRequest(rid="t1", kind="chat", sampling=m.SamplingParams(max_tokens=40), messages=msgs,
+                            tools=tools, tool_choice='"required"')
+    r.on_request(b"web-1", r.enc.encode(req))
+    [job] = r.out.of("inference", m.Job)
+    text = '{"name": "get_time", "parameters": {}}'
+    opened = r.running["t1"].calls.block     # the opener the prompt ends with
+    answer = tuple(r.text.encode(text[len(opened):].encode()))
+    stop = min(r.text.stop_ids)
+    for t in answer + (stop,):
+        r.on_event(m.Token(rid="t1", id=t, logprob=0.0, finish="stop" if t == stop else ""))
+    [cancel] = [c for c in r.out.of("inference", m.CancelJob) if c.rid == "t1"]
+    assert cancel.keep == len(job.ids) + len(answer)
+    r.on_event(m.JobDone(rid="t1", reason="stop", live=job.ids + answer + (stop,), session=1, resident=(1,)))
+    assert r.live[1].tokens == job.ids + answer
+    [fin] = r.out.of("web", m.Finished)
+    assert fin.finish_reason == "tool_calls"
+    call = m.ToolCall(id=[d for d in r.out.of("web", m.Delta) if d.tool_calls][0].tool_calls[0].id,
+                      function=m.ToolCallFunction(name="get_time", arguments="{}"))
+    turn2 = msgs + (m.ChatMessage(role="assistant", content="", tool_calls=(call,)),
+                    m.ChatMessage(role="tool", tool_call_id=call.id, content="12:00"))
+    r.on_request(b"web-1", r.enc.encode(m.GenerateRequest(rid="t2", kind="chat", sampling=m.SamplingParams(max_tokens=4),
+                                                          messages=turn2, tools=tools)))
+    j2 = r.out.of("inference", m.Job)[-1]
+    assert j2.rid == "t2" and j2.session == 1 and j2.reuse == len(job.ids) + len(answer)
 
 
 def test_tool_choice_none_bans_a_one_token_call_opener(text_model):
