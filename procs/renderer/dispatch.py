@@ -5,13 +5,14 @@ Invariant: a job is planned when it is sent, against the sessions as they will b
 other running jobs go on (a session one of them uses is a copy source, never continued)."""
 from __future__ import annotations
 
+import json
 import time
 
 import msgspec
 
 from common import messages as m
 from common.policy import common_prefix
-from procs.renderer import grammar, tools
+from procs.renderer import grammar, tools, toolxml
 from procs.renderer.answer import Pending
 from procs.renderer.plan import plan_job
 from procs.renderer.prompt import TextStream, tool_choice
@@ -87,9 +88,11 @@ class Dispatch:
                 sampling = self.no_calls(sampling)
             else:
                 c = p.constraint
+                xml = self.call_format.kind == "xml"
                 p.calls = tools.CallParser(opened=self.call_format.opener(choice), fmt=self.call_format,
                                            names=grammar.names(p.req.tools), grow=c is not None,
-                                           grow_fenced=c is not None and bool(c.fence))
+                                           grow_fenced=c is not None and bool(c.fence),
+                                           strings=toolxml.string_params(json.loads(p.req.tools)) if xml else None)
         p.since = p.dispatched = time.monotonic()
         p.heard_at_dispatch = p.since - self.last_heard < HEALTH_FRESH_S
         p.dispatch_seq = self.ping_seq

@@ -20,6 +20,7 @@ import llguidance
 import msgspec
 
 from common import guidance, messages as m
+from procs.renderer import toolxml
 from procs.renderer.toolfmt import GENERIC, Format
 
 # JSON inside a grammar: one spacing, so a generated call reads as a rendered one
@@ -74,6 +75,14 @@ def _json_rule(name: str, schema: dict, strict: bool) -> str:
     return f"{name}: %json {json.dumps(s, ensure_ascii=False)}\n"
 
 
+def _args_rule(fmt: Format, name: str, schema: dict, strict: bool) -> str:
+    """A call's arguments: a JSON object, or XML parameters (toolxml) whose non-string
+    values are JSON."""
+    if fmt.kind == "xml":
+        return toolxml.args_rules(fmt, name, closed(schema), lambda r, sub: _json_rule(r, sub, strict))
+    return _json_rule(name, schema, strict)
+
+
 def _functions(tools: list[dict]) -> list[tuple[str, dict, bool]]:
     out = []
     for t in tools:
@@ -117,7 +126,7 @@ def _call_rules(fns, parallel: bool, fmt: Format) -> str:
         lead = fmt.block_open + fmt.head_pre + head
         rules += f"c{i}: {_seq(head, (f'a{i}',), fmt.tail)}\n"
         rules += f"f{i}: {_seq(lead[len(fmt.trigger):], (f'a{i}',), fmt.tail)}\n"
-        rules += _json_rule(f"a{i}", params, strict)
+        rules += _args_rule(fmt, f"a{i}", params, strict)
     more = f"({_seq(fmt.sep, fmt.head_pre, ('call',))})*" if parallel and fmt.parallel else '""'
     return rules + f"more: {more}\nend: {_seq(fmt.block_close)}\n"
 
@@ -133,7 +142,7 @@ def build(tools: list[dict], choice, fmt: dict | None, parallel: bool = False,
     if isinstance(choice, dict) and fns:          # the prompt ends inside the named call
         _, params, strict = next(f for f in fns if f[0] == choice["function"]["name"])
         return m.Constraint(grammar=f"start: {_seq(('args',), calls.tail, calls.block_close)}\n"
-                            + _json_rule("args", params, strict))
+                            + _args_rule(calls, "args", params, strict))
     if choice == "required" and fns:              # the prompt ends with the block's opener
         return m.Constraint(grammar="start: call more end\n" + _call_rules(fns, parallel, calls))
     if fmt is not None:

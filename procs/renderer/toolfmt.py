@@ -17,6 +17,9 @@ Families (the format is recognised in the GGUF's own template text, as llama.cpp
   call ids of 9 letters and digits (the templates refuse others).
 - mistral_args (Mistral Small 3.2, Devstral, tokenizer v11+): `[TOOL_CALLS]name[ARGS]{...}`
   per call.
+- qwen_xml (Qwen3-Coder, later Qwen templates): `<tool_call>\n<function=NAME>\n` then
+  `<parameter=KEY>\nVALUE\n</parameter>\n` per argument, `</function>\n</tool_call>`; a
+  string value as it is, any other as JSON (procs/renderer/toolxml.py).
 
 Fenced calls: small models of the tag formats (Qwen2.5 0.5B-1.5B) often answer with a
 Markdown-fenced object, ```` ```json\n{"name": ..., "arguments": ...}\n``` ````, instead of the
@@ -55,16 +58,25 @@ class Format:
     sep: str = ""
     block_close: str = ""
     parallel: bool = True   # several calls fit in one answer
-    kind: str = "tags"      # how the block parses: tags | object | array | args
-    close: str = ""         # tags: the closing tag of a call
+    kind: str = "tags"      # how the block parses: tags | object | array | args | xml
+    close: str = ""         # tags, xml: the closing tag of a call
     short_ids: bool = False  # ids of 9 letters and digits (Mistral's templates check them)
+    value_open: str = ""    # xml: what comes between <parameter=KEY> and the value
+    value_close: str = ""   # xml: what ends a value
 
     def name_part(self, name: str) -> str:
         if self.kind == "args":
             return name + "[ARGS]"
+        if self.kind == "xml":
+            return f"<function={name}>\n"
         return _hermes_name(name, self.args_key)
 
     def call_text(self, name: str, args_json: str) -> str:
+        if self.kind == "xml":      # each value as the family's template renders it
+            args = json.loads(args_json)
+            return self.head_pre + self.name_part(name) + "".join(
+                f"<parameter={k}>{self.value_open}{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+                f"{self.value_close}" for k, v in args.items()) + self.tail
         return self.head_pre + self.name_part(name) + args_json + self.tail
 
     def block(self, calls: list[tuple[str, str]]) -> str:
@@ -100,7 +112,11 @@ MISTRAL = Format("mistral", native=True, trigger="[TOOL_CALLS]", block_open="[TO
 MISTRAL_SPACED = dataclasses.replace(MISTRAL, block_open="[TOOL_CALLS] [")   # Mistral 7B v0.3, Small 3.1
 MISTRAL_ARGS = Format("mistral_args", native=True, trigger="[TOOL_CALLS]", head_pre="[TOOL_CALLS]",
                       tail="", kind="args", short_ids=True)
-# call bodies written as XML inside <tool_call> tags, a syntax not parsed here
+# Qwen3-Coder and later Qwen templates: XML bodies inside the tags (procs/renderer/toolxml.py)
+QWEN_XML = Format("qwen_xml", native=True, trigger="<tool_call>", head_pre="<tool_call>\n",
+                  tail="</function>\n</tool_call>", sep="\n", close="</tool_call>", kind="xml",
+                  value_open="\n", value_close="\n</parameter>\n")
+# call bodies written as XML of another shape (GLM's <arg_key>), not parsed here
 XML_CALLS = ("<function=", "<parameter=", "<arg_key>")
 
 
@@ -116,8 +132,10 @@ def detect(template: str | None) -> Format:
             return MISTRAL_ARGS
         return MISTRAL_SPACED if "[TOOL_CALLS] [" in src else MISTRAL
     if "<tool_call>" in src:
-        # JSON inside the tags (Qwen2.5, Qwen3, Hermes); XML bodies (Qwen3-Coder's
-        # <function=...><parameter=...>, GLM's <arg_key>) are not parsed: generic format
+        if "<function=" in src and "<parameter=" in src:     # Qwen3-Coder's XML bodies
+            return QWEN_XML
+        # JSON inside the tags (Qwen2.5, Qwen3, Hermes); XML bodies of another shape (GLM's
+        # <arg_key>) are not parsed: generic format
         if '"name"' in src and not any(x in src for x in XML_CALLS):
             return HERMES
         return GENERIC
@@ -130,6 +148,8 @@ def detect(template: str | None) -> Format:
 def _partial(f: Format) -> re.Pattern:
     if f.kind == "args":
         return re.compile(r"\s*" + re.escape(f.head_pre) + r"([^\[\]]+)\[ARGS\](.*)\Z", re.S)
+    if f.kind == "xml":
+        return re.compile(r"\s*" + re.escape(f.trigger) + r"\s*<function=([^>\n]+)>(.*)\Z", re.S)
     lead = {"tags": re.escape(f.trigger) + r"\s*", "object": "", "array": re.escape(f.trigger) + r"\s*\[.*"}[f.kind]
     return re.compile(r"\s*" + lead + r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)\Z',
                       re.S)

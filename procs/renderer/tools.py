@@ -18,7 +18,7 @@ import json
 
 from common import guidance, kvfile
 from common import messages as m
-from procs.renderer import toolfmt
+from procs.renderer import toolfmt, toolxml
 from procs.renderer.toolfmt import GENERIC, Format
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -178,8 +178,9 @@ class CallParser:
     open a call is held back; a call is emitted when it is complete in the format's syntax."""
 
     def __init__(self, opened: str = "", fmt: Format = GENERIC, names=frozenset(), grow: bool = False,
-                 grow_fenced: bool = False):
+                 grow_fenced: bool = False, strings: dict[str, frozenset[str]] | None = None):
         self.fmt = fmt
+        self.strings = strings or {}    # xml: each function's string parameters (toolxml)
         # a call is streamed while it grows only where decoding is constrained to end it as a
         # call (`grow`; `grow_fenced` for a fenced one): unconstrained text may turn out not
         # to be one, and a head the client has seen cannot be taken back
@@ -253,6 +254,7 @@ class CallParser:
                 after = self.live[3] + vs.n if vs.kind in "{[" else 0
             try:
                 found, end, self.more = toolfmt.scan_fenced(self.buf, self.names, final) if self.fence == 1 \
+                    else toolxml.scan(self.fmt, self.buf, a, self.strings) if self.fmt.kind == "xml" \
                     else toolfmt.scan(self.fmt, self.buf, a, after)
             except toolfmt.Incomplete:
                 return pieces + self._growing()
@@ -280,7 +282,7 @@ class CallParser:
         (an array of calls parses whole)."""
         if self.fence == 1:
             return toolfmt.FENCED_PARTIAL if self.grow_fenced else None
-        return self.fmt.partial() if self.grow and self.fmt.kind != "array" else None
+        return self.fmt.partial() if self.grow and self.fmt.kind not in ("array", "xml") else None
 
     def _growing(self) -> list[m.ToolCallDelta]:
         """The pieces of the open call that are new: its head once its name is whole, then
@@ -344,6 +346,13 @@ class CallParser:
         if self.fence == 1 and self.more:      # a fenced call may end without its closing fence
             self.late = self._calls(final=True)
         tail = self.buf[self.scan:]
+        if self.fmt.kind == "xml" and self.fence != 1:
+            c = toolxml.cut(self.fmt, tail, self.strings) if self.more else None
+            if c is not None:
+                self.cut = (self.fmt.new_id(), c[0], c[1], len(self.calls), -1)
+                return ""
+            return "" if self.calls else (self.block[len(self.opened):] if self.block.startswith(self.opened)
+                                          else self.block)
         partial = toolfmt.FENCED_PARTIAL if self.fence == 1 else self.fmt.partial()
         m_ = partial.match(tail) if self.more else None
         if m_ is not None:

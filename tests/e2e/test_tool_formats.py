@@ -1,7 +1,7 @@
 """Model families' own tool formats end to end: the real processes and default model, the
 official `openai` client, a chat template given with --chat-template-file in the family's
-format (Qwen/Hermes `<tool_call>`, Llama 3.1's bare JSON, Mistral's `[TOOL_CALLS][...]`;
-written for the tests, tests/data/templates).
+format (Qwen/Hermes `<tool_call>`, Llama 3.1's bare JSON, Mistral's `[TOOL_CALLS][...]`,
+Qwen3-Coder's XML bodies; written for the tests, tests/data/templates).
 
 Per family: a forced call comes back as a parsed call in the family's syntax (Mistral: ids
 of 9 letters and digits), streamed and whole; the next turn, with the call and its result,
@@ -38,7 +38,7 @@ MESSAGES = [{"role": "system", "content": "You answer by calling a tool."},
 SLACK = 2     # an end-of-turn token the template renders differently from the one sampled
 
 
-@pytest.fixture(scope="module", params=["hermes", "llama3", "mistral"])
+@pytest.fixture(scope="module", params=["hermes", "llama3", "mistral", "qwen_xml"])
 def family(request):
     env = {"RICORDO_CHAT_TEMPLATE_FILE": str(TEMPLATES / f"{request.param}.jinja"), "RICORDO_CTX_SIZE": "2048"}
     with Server(env=env) as srv:
@@ -67,11 +67,17 @@ def test_forced_call_and_next_turn_from_the_live_session(family):
     _check_call(name, call, call.function.arguments)
     written = "".join(t.token for t in c.logprobs.content)     # what the model wrote after the opener
     head = '{"name": "' + call.function.name + '", '
-    assert written.startswith({"hermes": head, "llama3": head, "mistral": head}[name]), written
-    assert {"hermes": '"arguments": ', "llama3": '"parameters": ', "mistral": '"arguments": '}[name] in written
+    xml = "<function=" + call.function.name + ">\n"
+    assert written.startswith({"hermes": head, "llama3": head, "mistral": head, "qwen_xml": xml}[name]), written
+    if name == "qwen_xml":     # each value as written: a string without quotes
+        args = json.loads(call.function.arguments)
+        assert all(f"<parameter={k}>\n{v}\n</parameter>\n" in written for k, v in args.items()), written
+    else:
+        assert {"hermes": '"arguments": ', "llama3": '"parameters": ', "mistral": '"arguments": '}[name] in written
     for end in ("<|im_end|>", "<|endoftext|>"):                 # the stop token the grammar ends on
         written = written.removesuffix(end)
-    assert written.endswith({"hermes": "}\n</tool_call>", "llama3": "}}", "mistral": "}]"}[name]), written
+    assert written.endswith({"hermes": "}\n</tool_call>", "llama3": "}}", "mistral": "}]",
+                             "qwen_xml": "</function>\n</tool_call>"}[name]), written
     turn2 = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     r2 = client.chat.completions.create(model="m", messages=turn2, tools=TOOLS, max_tokens=4, temperature=0)
@@ -98,8 +104,9 @@ def test_named_call_streamed(family):
         assert not d.content, d.content      # the opener in the prompt is never streamed as text
         finish = ch.choices[0].finish_reason or finish
     assert finish == "tool_calls" and names == {"get_weather"} and len(ids) == 1
-    # the arguments stream as they are written, except Mistral's array, which parses whole
-    assert arg_chunks >= 3 if name != "mistral" else arg_chunks == 1, arg_chunks
+    # the arguments stream as they are written, except Mistral's array and XML bodies,
+    # which parse whole
+    assert arg_chunks >= 3 if name not in ("mistral", "qwen_xml") else arg_chunks == 1, arg_chunks
     call = type("C", (), {"id": ids.pop(), "function": type("F", (), {"name": "get_weather"})})
     _check_call(name, call, args)
 

@@ -27,7 +27,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-FAMILIES = ["hermes", "llama3", "mistral"]
+FAMILIES = ["hermes", "llama3", "mistral", "qwen_xml"]
 
 
 def template(name: str) -> str:
@@ -69,13 +69,14 @@ def test_the_format_is_read_from_the_template(text_model):
     assert toolfmt.detect(None) is toolfmt.GENERIC
     # mentioning the tokens without ever reading `tools` cannot render them
     assert toolfmt.detect("<tool_call>{{ messages }}") is toolfmt.GENERIC
-    # XML bodies inside the tags (Qwen3-Coder, GLM) are not the Hermes JSON: generic
-    assert toolfmt.detect("{{ tools }}<tool_call>\n<function={{ name }}>\n<parameter=x>") is toolfmt.GENERIC
+    # XML bodies inside the tags: Qwen3-Coder's are read (toolxml), GLM's are not: generic
+    assert toolfmt.detect(template("qwen_xml")) is toolfmt.QWEN_XML
+    assert toolfmt.detect("{{ tools }}<tool_call>\n<function={{ name }}>\n<parameter=x>") is toolfmt.QWEN_XML
     assert toolfmt.detect("{{ tools }}<tool_call>{{ name }}<arg_key>k</arg_key>") is toolfmt.GENERIC
 
 
 @pytest.mark.parametrize("fmt", [toolfmt.HERMES, toolfmt.LLAMA3, toolfmt.MISTRAL, toolfmt.MISTRAL_SPACED,
-                                 toolfmt.MISTRAL_ARGS], ids=lambda f: f.name + ("_" if "] [" in f.block_open else ""))
+                                 toolfmt.MISTRAL_ARGS, toolfmt.QWEN_XML], ids=lambda f: f.name + ("_" if "] [" in f.block_open else ""))
 def test_calls_stream_out_of_each_syntax(fmt):
     calls = [("get_weather", {"city": "Oslo"})]
     if fmt.parallel:
@@ -136,8 +137,8 @@ def test_prose_is_never_a_call():
         assert content + p.flush() == text, fmt.name
 
 
-@pytest.mark.parametrize("fmt", [toolfmt.HERMES, toolfmt.LLAMA3, toolfmt.MISTRAL, toolfmt.MISTRAL_ARGS],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [toolfmt.HERMES, toolfmt.LLAMA3, toolfmt.MISTRAL, toolfmt.MISTRAL_ARGS,
+                                 toolfmt.QWEN_XML], ids=lambda f: f.name)
 def test_forced_and_auto_grammars_admit_the_family_syntax(text_model, fmt):
     """required: after the opener the mask admits the rest of the family's block, then only
     stop tokens; named: the arguments; auto: free text, then the block after the trigger."""
@@ -207,7 +208,10 @@ def test_unknown_ids_render_through_the_template(text_model, family):
     stats = t.Rendered()
     prompt = render(text, _request(msgs), t.ToolMemory(16, ""), (), stats).decode()
     assert stats.json == 1
-    assert fmt.name_part("get_weather") + '{"city": "Oslo"}' in prompt
+    if fmt.kind == "xml":       # a string value as it is
+        assert "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>" in prompt
+    else:
+        assert fmt.name_part("get_weather") + '{"city": "Oslo"}' in prompt
     assert '"{\\"city' not in prompt
     if family == "hermes":   # a constrained call renders back as it was generated, even from JSON
         assert "<|im_start|>assistant\n" + generated(fmt, [("get_weather", {"city": "Oslo"})]) + "<|im_end|>" in prompt

@@ -1,0 +1,177 @@
+"""Calls written as XML (Qwen3-Coder and its successors; toolfmt.QWEN_XML):
+
+    <tool_call>
+    <function=NAME>
+    <parameter=KEY>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+A value is the parameter's text as it is: a string parameter's value is the string itself
+(no quotes, no escapes), any other is JSON, as the family's template renders a call
+(`args_value if args_value is string else args_value | tojson`). So the arguments a client
+gets are built here, by the tool's schema, and a call the grammar constrained renders back
+byte for byte from them. Formats differ in the newlines around a value (Format.value_open,
+value_close); the grammar writes the one the template renders.
+
+A value may hold any text but its own closing (a file being written may hold `</function>`
+or `</tool_call>`): the grammar ends it at the first value_close (a lazy lexeme), and the
+parser looks for exactly that.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from procs.renderer.toolfmt import Format, Incomplete
+
+_DECODER = json.JSONDecoder()
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
+_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>")
+_END = re.compile(r"\s*</function>\s*</tool_call>")
+KEY = "[A-Za-z0-9_.:$@-]+"    # a parameter name the open grammar (no schema) allows
+
+
+def string_params(tools: list[dict]) -> dict[str, frozenset[str]]:
+    """For each function, the parameters whose schema says string: their values are taken
+    as written. Any other value is parsed as JSON (kept as a string when it is not JSON)."""
+    out = {}
+    for t in tools:
+        fn = t.get("function") or {}
+        props = (fn.get("parameters") or {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
+        out[fn.get("name", "")] = frozenset(k for k, v in (props or {}).items() if is_string(v))
+    return out
+
+
+def is_string(schema) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    t = schema.get("type")
+    if isinstance(t, list):
+        t = [x for x in t if x != "null"]
+        t = t[0] if len(t) == 1 else None
+    return t == "string" or (t is None and "enum" in schema and all(isinstance(x, str) for x in schema["enum"]))
+
+
+def _value(raw: str, as_string: bool):
+    if as_string:
+        return raw
+    try:
+        v, end = _DECODER.raw_decode(raw.strip())
+        return v if end == len(raw.strip()) else raw
+    except (ValueError, RecursionError):
+        return raw
+
+
+def params(f: Format, s: str, i: int, strings: frozenset[str], final: bool = False) -> tuple[dict, int, bool]:
+    """The parameters that open at s[i]: (arguments, end, closed) where `closed` says the
+    function's end followed. Incomplete while the text may still go on (unless `final`:
+    then what is whole, and a value cut short as far as it goes); ValueError when it cannot
+    be a call."""
+    args = {}
+    close = f.value_close.rstrip("\n")
+    while True:
+        mp = _PARAM.match(s, i)
+        if mp is None:
+            me = _END.match(s, i)
+            if me is not None:
+                return args, me.end(), True
+            rest = s[i:].lstrip()
+            if final or not ("<parameter=".startswith(rest[:11]) or "</function>".startswith(rest[:11])
+                             or rest.startswith(("<parameter=", "</function>"))):
+                if final:
+                    return args, len(s), False
+                raise ValueError("not a parameter")
+            raise Incomplete
+        key, start = mp.group(1), mp.end()
+        b = s.find(close, start)
+        if b < 0:
+            if final:       # the limit cut the value: as far as it goes, less a closing begun
+                raw = s[start:]
+                raw = raw[len(f.value_open):] if f.value_open and raw.startswith(f.value_open) else raw
+                k = next((k for k in range(len(close), 0, -1) if raw.endswith(close[:k])), 0)
+                args[key] = _value(raw[:len(raw) - k], key in strings)
+                return args, len(s), False
+            raise Incomplete
+        raw = s[start:b]
+        if f.value_open and raw.startswith(f.value_open):
+            raw = raw[len(f.value_open):]
+        args[key] = _value(raw, key in strings)
+        i = b + len(close)
+
+
+def scan(f: Format, s: str, i: int, strings: dict[str, frozenset[str]]) -> tuple[list[tuple[str, str]], int, bool]:
+    """The call that opens at s[i] (s[i:] starts with the trigger): ([(name, arguments
+    JSON)], end, True), as toolfmt.scan. A call that is not well formed is skipped up to its
+    closing tag."""
+    j = i + len(f.trigger)
+    mf = _FUNCTION.match(s, j)
+    if mf is None:
+        rest = s[j:].lstrip()
+        if "<function=".startswith(rest[:10]) or (rest.startswith("<function=") and ">" not in rest):
+            raise Incomplete
+        b = s.find(f.close, j)
+        if b < 0:
+            raise Incomplete
+        return [], b + len(f.close), True
+    name = mf.group(1)
+    try:
+        args, end, _ = params(f, s, mf.end(), strings.get(name, frozenset()))
+    except ValueError:
+        b = s.find(f.close, mf.end())
+        if b < 0:
+            raise Incomplete from None
+        return [], b + len(f.close), True
+    return [(name, json.dumps(args, ensure_ascii=False))], end, True
+
+
+def cut(f: Format, s: str, strings: dict[str, frozenset[str]]) -> tuple[str, str] | None:
+    """A call the token limit cut after its name (s: the block from the call's trigger on):
+    (name, the arguments as far as they go), or None when its name is not whole."""
+    mt = re.match(r"\s*" + re.escape(f.trigger), s)
+    mf = _FUNCTION.match(s, mt.end()) if mt else None
+    if mf is None or ">" not in s[mt.end():]:
+        return None
+    name = mf.group(1)
+    args, _, _ = params(f, s, mf.end(), strings.get(name, frozenset()), final=True)
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+# -- grammar (llguidance Lark), for grammar.py --
+
+def _lit(s: str) -> str:
+    return json.dumps(s)
+
+
+def _rx(text: str) -> str:
+    """Literal text inside a Lark /regex/: escaped, newlines as \\n, slashes escaped."""
+    return "".join("\\n" if c == "\n" else "\\/" if c == "/" else re.escape(c) for c in text)
+
+
+def args_rules(f: Format, name: str, schema: dict, json_rule) -> str:
+    """Rule `name`: the parameters of one call in schema order (required ones always,
+    optional ones or not), each value by its schema; `json_rule(rule, schema)` gives a
+    JSON value's rule. A schema without properties (or open to any key) takes any
+    parameters, their values as text."""
+    schema = schema if isinstance(schema, dict) else {}
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    tail = f.value_close
+    lazy = "/(?s:.*)" + _rx(tail) + "/"
+    if schema.get("additionalProperties") not in (None, False):
+        return (f"{name}: {name}_p*\n{name}_p: \"<parameter=\" /{KEY}/ {_lit('>' + f.value_open)} {name}_v\n"
+                f"{name}_v[lazy]: {lazy}\n")
+    required = set(schema.get("required") or ())
+    parts, rules = [], ""
+    for k, (key, sub) in enumerate(props.items()):
+        r = f"{name}_{k}"
+        head = _lit(f"<parameter={key}>{f.value_open}")
+        if is_string(sub) and isinstance(sub, dict) and isinstance(sub.get("enum"), list):
+            rules += f"{r}: {head} ({' | '.join(_lit(str(e) + tail) for e in sub['enum'])})\n"
+        elif is_string(sub):
+            rules += f"{r}: {head} {r}_v\n{r}_v[lazy]: {lazy}\n"
+        else:
+            rules += f"{r}: {head} {r}_v {_lit(tail)}\n" + json_rule(f"{r}_v", sub if isinstance(sub, dict) else {})
+        parts.append(r if key in required else f"{r}?")
+    return f"{name}: {' '.join(parts) or chr(34) * 2}\n" + rules
+
