@@ -249,9 +249,13 @@ class CallParser:
             if self.live is not None:
                 pieces += self._growing()
                 vs = self.live[4]
-                if not vs.kind or (vs.kind in "{[" and not vs.whole):
+                if isinstance(vs, toolxml.Stream):
+                    if not vs.ended:
+                        return pieces   # toolxml.scan would find the same closing tags
+                elif not vs.kind or (vs.kind in "{[" and not vs.whole):
                     return pieces   # a closing tag before the value's end is inside a string
-                after = self.live[3] + vs.n if vs.kind in "{[" else 0
+                else:
+                    after = self.live[3] + vs.n if vs.kind in "{[" else 0
             try:
                 found, end, self.more = toolfmt.scan_fenced(self.buf, self.names, final) if self.fence == 1 \
                     else toolxml.scan(self.fmt, self.buf, a, self.strings) if self.fmt.kind == "xml" \
@@ -287,6 +291,8 @@ class CallParser:
     def _growing(self) -> list[m.ToolCallDelta]:
         """The pieces of the open call that are new: its head once its name is whole, then
         its arguments as far as they are surely inside their JSON value."""
+        if self.fmt.kind == "xml" and self.fence != 1:
+            return self._growing_xml()
         pieces = []
         if self.live is None:
             pat = self._partial()
@@ -302,13 +308,34 @@ class CallParser:
             self.live[5] = text
         return pieces
 
+    def _growing_xml(self) -> list[m.ToolCallDelta]:
+        """As _growing, for XML bodies: the head once the function tag is whole, then the
+        arguments' JSON as toolxml.Stream builds it."""
+        pieces = []
+        if self.live is None:
+            mt = toolxml.HEAD.match(self.buf, self.scan) if self.grow else None
+            if mt is None:
+                return []
+            name = mt.group(1)
+            self.live = [len(self.calls), self.fmt.new_id(), name, mt.end(),
+                         toolxml.Stream(self.fmt, self.strings.get(name, frozenset()), mt.end()), ""]
+            pieces.append(m.ToolCallDelta(index=self.live[0], id=self.live[1], name=name))
+        idx, sent, text = self.live[0], self.live[5], self.live[4].feed(self.buf)
+        if len(text) > len(sent):
+            pieces.append(m.ToolCallDelta(index=idx, arguments=text[len(sent):]))
+            self.live[5] = text
+        return pieces
+
     def _close_live(self, found, end: int) -> list[m.ToolCallDelta]:
         """The streamed call closed at `end`: its arguments are the text the model wrote (what
         the client has a prefix of), the rest of it sent now."""
         idx, cid, name, start, vs, sent = self.live
         self.live = None
-        vs.feed(self.buf[start:end])
-        args = self.buf[start:start + vs.n].strip() if vs.whole else (found[0][1] if found else sent)
+        if isinstance(vs, toolxml.Stream):     # the arguments as parsed (the stream is their prefix)
+            args = found[0][1] if found else sent
+        else:
+            vs.feed(self.buf[start:end])
+            args = self.buf[start:start + vs.n].strip() if vs.whole else (found[0][1] if found else sent)
         if found and found[0][0] != name:     # cannot be under constraint; the client has this name
             args = sent
         self.calls.append((cid, name, args))
@@ -348,6 +375,11 @@ class CallParser:
         tail = self.buf[self.scan:]
         if self.fmt.kind == "xml" and self.fence != 1:
             c = toolxml.cut(self.fmt, tail, self.strings) if self.more else None
+            if c is not None and self.live is not None:
+                idx, cid, name, _, _, sent = self.live
+                self.live = None
+                self.cut = (cid, name, c[1], idx, len(sent) if c[1].startswith(sent) else len(c[1]))
+                return ""
             if c is not None:
                 self.cut = (self.fmt.new_id(), c[0], c[1], len(self.calls), -1)
                 return ""

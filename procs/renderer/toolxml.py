@@ -30,6 +30,8 @@ _DECODER = json.JSONDecoder()
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
 _PARAM = re.compile(r"\s*<parameter=([^>\n]+)>")
 _END = re.compile(r"\s*</function>\s*</tool_call>")
+_FUNCTION_END = re.compile(r"\s*</function>")
+HEAD = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>")   # a call whose name is whole
 KEY = "[A-Za-z0-9_.:$@-]+"    # a parameter name the open grammar (no schema) allows
 
 
@@ -78,8 +80,7 @@ def params(f: Format, s: str, i: int, strings: frozenset[str], final: bool = Fal
             if me is not None:
                 return args, me.end(), True
             rest = s[i:].lstrip()
-            if final or not ("<parameter=".startswith(rest[:11]) or "</function>".startswith(rest[:11])
-                             or rest.startswith(("<parameter=", "</function>"))):
+            if final or not _may_open(rest):
                 if final:
                     return args, len(s), False
                 raise ValueError("not a parameter")
@@ -99,6 +100,12 @@ def params(f: Format, s: str, i: int, strings: frozenset[str], final: bool = Fal
             raw = raw[len(f.value_open):]
         args[key] = _value(raw, key in strings)
         i = b + len(close)
+
+
+def _may_open(rest: str) -> bool:
+    """Whether text after a value (or the function tag) may still open a parameter or end
+    the function."""
+    return any(tag.startswith(rest[:len(tag)]) for tag in ("<parameter=", "</function>"))
 
 
 def scan(f: Format, s: str, i: int, strings: dict[str, frozenset[str]]) -> tuple[list[tuple[str, str]], int, bool]:
@@ -136,6 +143,64 @@ def cut(f: Format, s: str, strings: dict[str, frozenset[str]]) -> tuple[str, str
     name = mf.group(1)
     args, _, _ = params(f, s, mf.end(), strings.get(name, frozenset()), final=True)
     return name, json.dumps(args, ensure_ascii=False)
+
+
+class Stream:
+    """The arguments of a call being generated, as JSON text that is surely a prefix of
+    the JSON the call ends with (json.dumps of its arguments): a string value is passed on
+    escaped as it grows, less what may begin its closing; any other value once it is closed.
+    Fed the block so far, read from `pos` (after the call's `<function=NAME>` tag) on; each
+    character is looked at a bounded number of times (a closing is looked for from where
+    the last search stopped)."""
+
+    def __init__(self, f: Format, strings: frozenset[str], pos: int):
+        self.f, self.strings = f, strings
+        self.close = f.value_close.rstrip("\n")
+        self.pos = pos            # where the next parameter (or the end) is looked for
+        self.key = None           # the open parameter
+        self.start = self.done = 0   # its value's start; how far it was passed on
+        self.out = ""             # the JSON text so far
+        self.n_params = 0
+        self.ended = self.broken = False
+
+    def feed(self, s: str) -> str:
+        """s: the block so far. Returns the arguments' JSON so far."""
+        while not self.ended:
+            if self.key is None:
+                mp = _PARAM.match(s, self.pos)
+                if mp is None:
+                    me = _FUNCTION_END.match(s, self.pos)
+                    if me is not None:
+                        self.out += "{}" if not self.n_params else "}"
+                        self.ended = True
+                    elif not _may_open(s[self.pos:].lstrip()):
+                        self.ended = self.broken = True    # not a call after all: scan() skips it
+                    break
+                start = mp.end()
+                if len(s) < start + len(self.f.value_open):
+                    break
+                if self.f.value_open and s.startswith(self.f.value_open, start):
+                    start += len(self.f.value_open)
+                self.key, self.start = mp.group(1), start
+                self.done = start
+                self.out += ("{" if not self.n_params else ", ") + json.dumps(self.key, ensure_ascii=False) + ": "
+                self.out += '"' if self.key in self.strings else ""
+                self.n_params += 1
+            b = s.find(self.close, max(self.start, self.done - len(self.close)))
+            as_string = self.key in self.strings
+            if b < 0:
+                if as_string:    # on to what may not begin the closing
+                    end = len(s) - next((k for k in range(len(self.close), 0, -1) if s.endswith(self.close[:k])), 0)
+                    if end > self.done:
+                        self.out += json.dumps(s[self.done:end], ensure_ascii=False)[1:-1]
+                        self.done = end
+                break
+            if as_string:
+                self.out += json.dumps(s[self.done:b], ensure_ascii=False)[1:-1] + '"'
+            else:
+                self.out += json.dumps(_value(s[self.start:b], False), ensure_ascii=False)
+            self.key, self.pos = None, b + len(self.close)
+        return self.out
 
 
 # -- grammar (llguidance Lark), for grammar.py --

@@ -104,9 +104,9 @@ def test_named_call_streamed(family):
         assert not d.content, d.content      # the opener in the prompt is never streamed as text
         finish = ch.choices[0].finish_reason or finish
     assert finish == "tool_calls" and names == {"get_weather"} and len(ids) == 1
-    # the arguments stream as they are written, except Mistral's array and XML bodies,
-    # which parse whole
-    assert arg_chunks >= 3 if name not in ("mistral", "qwen_xml") else arg_chunks == 1, arg_chunks
+    # the arguments stream as they are written (XML bodies as their JSON), except Mistral's
+    # array, which parses whole
+    assert arg_chunks >= 3 if name != "mistral" else arg_chunks == 1, arg_chunks
     call = type("C", (), {"id": ids.pop(), "function": type("F", (), {"name": "get_weather"})})
     _check_call(name, call, args)
 

@@ -121,3 +121,27 @@ def test_the_grammar_writes_what_the_template_renders(text_model):
             m.ChatMessage(role="tool", content="ok", tool_call_id="call_x"))
     req = m.GenerateRequest(rid="r", kind="chat", sampling=m.SamplingParams(), messages=msgs, tools=json.dumps(TOOLS))
     assert block.encode() in render(text, req, t.ToolMemory(16, ""), (), t.Rendered())
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_constrained_call_streams_its_arguments_as_json_while_written(step):
+    """Under constraint (grow): the head once the function tag is whole, then the arguments'
+    JSON in pieces (a string value as it grows, never the start of its closing), whose
+    concatenation is the call's arguments; a limit mid-value sends only the rest."""
+    block = QWEN_XML.call_text("edit", json.dumps(HARD))
+    p = t.CallParser(fmt=QWEN_XML, strings=STRINGS, grow=True)
+    pieces = stream(p, "Sure.\n" + block, step)
+    heads = [i for i, x in enumerate(pieces) if x.name]
+    args = "".join(x.arguments for x in pieces)
+    assert len(heads) == 1 and heads[0] == 0 and args == p.calls[0][2] and json.loads(args) == HARD
+    if step == 1:
+        assert sum(1 for x in pieces if x.arguments) > 40
+        assert all("</par" not in x.arguments for x in pieces)
+    for cut in range(block.index("<parameter=code>"), len(block) - 20, 5):
+        p = t.CallParser(fmt=QWEN_XML, strings=STRINGS, grow=True)
+        sent = "".join(x.arguments for x in stream(p, block[:cut], step))
+        p.flush()
+        rest = "".join(x.arguments for x in p.cut_pieces() if not x.name)
+        assert not any(x.name for x in p.cut_pieces()), cut       # its head went out already
+        whole_ = json.loads(sent + rest)
+        assert whole_["path"] == "12" and HARD["code"].startswith(whole_.get("code", "")), (cut, sent, rest)
