@@ -35,6 +35,8 @@ class Arch:
     # every layer's MLP is a mixture of SiLU-gated experts behind a softmax top-k router
     # (Qwen3 MoE) instead of one dense MLP
     moe: bool = False
+    # Q, K and V in one tensor, gate and up in another (Phi-3): split by rows at load
+    fused: bool = False
 
 
 _GEMMA_HF = (("ffn_norm", "pre_feedforward_layernorm.weight"),
@@ -55,6 +57,9 @@ ARCHS = {
 ARCHS["gemma3_text"] = ARCHS["gemma3"]
 # Qwen3 MoE: Qwen3 attention, experts in every layer (HF model_type qwen3_moe, GGUF qwen3moe)
 ARCHS["qwen3moe"] = ARCHS["qwen3_moe"] = Arch("qwen3moe", qk_norm=True, gguf_permuted_qk=False, moe=True)
+# Phi-3 / Phi-4: Llama with fused qkv and gate_up tensors (NeoX RoPE, unpermuted) and an
+# optional sliding window over every layer (Phi-3 mini 4k: 2047, as transformers applies it)
+ARCHS["phi3"] = Arch("phi3", gguf_permuted_qk=False, fused=True)
 # Gemma 3: every 6th layer attends globally, the others over a sliding window with their own
 # RoPE base (llama.cpp's set_swa_pattern(6) and rope_freq_base_train_swa; transformers'
 # layer_types and rope_parameters["sliding_attention"]).
@@ -85,6 +90,9 @@ LAYER_TENSORS = {
     "gate_exps": ("mlp.experts.{e}.gate_proj.weight", "ffn_gate_exps.weight"),
     "up_exps": ("mlp.experts.{e}.up_proj.weight", "ffn_up_exps.weight"),
     "down_exps": ("mlp.experts.{e}.down_proj.weight", "ffn_down_exps.weight"),
+    # fused (Arch.fused): split into wq/wk/wv and w_gate/w_up by fused_rows()
+    "wqkv": ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
+    "w_gate_up": ("mlp.gate_up_proj.weight", "ffn_up.weight"),
 }
 # Tensors of the layers that change the math, which an architecture without them must not
 # silently drop (a Llama with attention_bias, say): present but unused is a load error.
@@ -100,6 +108,8 @@ def arch_of(name: str, where: str) -> Arch:
 
 def layer_names(arch: Arch) -> list[str]:
     """Our per-layer tensor names this architecture needs, all of them required."""
+    if arch.fused:
+        return ["attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"]
     names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm"]
     names += ["router", "gate_exps", "up_exps", "down_exps"] if arch.moe else ["w_gate", "w_up", "w_down"]
     if arch.qkv_bias:
@@ -109,6 +119,14 @@ def layer_names(arch: Arch) -> list[str]:
     if arch.post_norms:
         names += ["post_attn_norm", "post_ffn_norm"]
     return names
+
+
+def fused_rows(n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int) -> dict[str, list[tuple[str, int, int]]]:
+    """A fused tensor's parts: (our name, first row, end row), as transformers' Phi3 splits
+    them (q, k, v; gate, then up)."""
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    return {"wqkv": [("wq", 0, q), ("wk", q, q + kv), ("wv", q + kv, q + 2 * kv)],
+            "w_gate_up": [("w_gate", 0, ffn_dim), ("w_up", ffn_dim, 2 * ffn_dim)]}
 
 
 def tensor_name(arch: Arch, ours: str, fmt: int) -> str:
@@ -184,7 +202,7 @@ def hf_rope(c: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...
         raise ModelLoadError(f"{where}: per-layer-type RoPE parameters are not supported")
     theta = rp.get("rope_theta", c.get("rope_theta"))
     theta = 10000.0 if theta is None else float(theta)
-    if float(rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+    if any(float(x.get("partial_rotary_factor") or 1.0) != 1.0 for x in (rp, c)):
         raise ModelLoadError(f"{where}: partial rotary embeddings are not supported")
     kind = rp.get("rope_type", rp.get("type", "default")) or "default"
     if kind == "default":

@@ -21,8 +21,8 @@ import torch
 from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
                                           q4_parts, q8_parts)
-from procs.inference.archs import (ModelLoadError, arch_of, gguf_gemma3, gguf_moe, gguf_rope, hf_gemma3,
-                                   hf_moe, hf_rope, layer_names, tensor_name, unused_math)
+from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_moe, gguf_rope,
+                                   hf_gemma3, hf_moe, hf_rope, layer_names, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
@@ -81,6 +81,39 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
+def _split_fused(d: dict, cfg: ModelConfig) -> None:
+    """Replace each layer's fused tensors (archs.fused_rows) in d by their row ranges. In a
+    Lazy dict each range is made when first read, from the fused value made once and
+    dropped when its last range is taken; a value may be a tensor or a tuple of row-aligned
+    parts (quantized levels and scales)."""
+    def rows(v, a: int, b: int):
+        return v[a:b].clone() if isinstance(v, torch.Tensor) else tuple(t[a:b].clone() for t in v)
+    for fused, parts in fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim).items():
+        for i in range(cfg.n_layers):
+            name = f"layers.{i}.{fused}"
+            if name not in d:
+                continue
+            if not isinstance(d, Lazy):
+                v = d.pop(name)
+                for ours, a, b in parts:
+                    d[f"layers.{i}.{ours}"] = rows(v, a, b)
+                continue
+            make = d._make.pop(name, None)          # the fused name leaves the dict now
+            made = dict.pop(d, name)
+            state = {"make": make or (lambda made=made: made), "value": None, "left": len(parts)}
+
+            def part(a, b, state=state):
+                if state["value"] is None:
+                    state["value"] = state["make"]()
+                out = rows(state["value"], a, b)
+                state["left"] -= 1
+                if not state["left"]:
+                    state["value"] = None
+                return out
+            for ours, a, b in parts:
+                d.later(f"layers.{i}.{ours}", lambda a=a, b=b, part=part: part(a, b))
+
+
 def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     """16 bytes naming the model, not its quantization: the architecture, the geometry, the
     RoPE scaling, plus the RMSNorm weights, which every GGUF quantization keeps in F32 and a
@@ -136,6 +169,11 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
     if arch.name == "gemma3":
         extra.update(gguf_gemma3(m, p, int(m[p + "block_count"]), dim, n_heads, head_dim))
+    if arch.fused:
+        if "rope_factors_long.weight" in g.tensors or "rope_factors_short.weight" in g.tensors:
+            raise ModelLoadError(f"{path}: LongRoPE scaling (rope_factors_long/short) is not supported")
+        window = int(m.get(p + "attention.sliding_window", 0))
+        extra["windows"] = (window,) * int(m[p + "block_count"]) if window else ()
     cfg = ModelConfig(
         n_layers=int(m[p + "block_count"]), dim=dim,
         n_heads=n_heads, n_kv_heads=int(m.get(p + "attention.head_count_kv", n_heads)),
@@ -183,6 +221,12 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             q8.add(ours)
             if info.type_name in EXACT_INT8_TYPES and len(info.shape) == 2:
                 q8p.later(ours, lambda parts=parts: parts(q8_parts))
+    if arch.fused:
+        for d in (tensors, q4, q8p):
+            _split_fused(d, cfg)
+        split = fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim)
+        q8 = {f"{n.rsplit('.', 1)[0]}.{ours}" for n in q8 for ours, _, _ in split.get(n.rsplit(".", 1)[-1], ())} | \
+            {n for n in q8 if n.rsplit(".", 1)[-1] not in split}
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8), q8p)
 
 
@@ -226,6 +270,8 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     else:
         extra = dict(zip(("rope_theta", "rope_factors", "rope_attn_factor"), hf_rope(c, head_dim, path)))
     extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))
+    if arch.fused and c.get("sliding_window"):
+        extra["windows"] = (int(c["sliding_window"]),) * c["num_hidden_layers"]
     cfg = ModelConfig(
         n_layers=c["num_hidden_layers"], dim=c["hidden_size"],
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
@@ -252,6 +298,8 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             w = w.float() + arch.hf_norm_offset
             norms[ours] = w
         tensors[ours] = w.to(device=device, dtype=dtype)
+    if arch.fused:
+        _split_fused(tensors, cfg)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})
 
 

@@ -62,6 +62,8 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
                                         moe_intermediate_size=48, norm_topk_prob=True, rope_theta=1e6,
                                         tie_word_embeddings=False), "qwen3moe"),
     "yarn": ("Qwen2Config", dict(rope_parameters=YARN, tie_word_embeddings=True), "qwen2"),
+    # fused qkv and gate_up, every layer over a sliding window of 8
+    "phi3": ("Phi3Config", dict(rope_theta=10000.0, sliding_window=8, tie_word_embeddings=False), "phi3"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -130,8 +132,8 @@ def _write_gguf(m, path: str, arch: str, qtype=None) -> None:
     w.add_rope_freq_base(float(rp["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     gemma = arch == "gemma3"
-    if gemma:   # what llama.cpp's converter writes; it reads the pattern (6) and local base itself
-        w.add_sliding_window(c.sliding_window)
+    if gemma or (arch == "phi3" and c.sliding_window):   # what llama.cpp's converter writes (Gemma:
+        w.add_sliding_window(c.sliding_window)            # it reads the pattern (6) and local base itself)
     if rp.get("rope_type") == "yarn":   # what convert_hf_to_gguf writes for a yarn config
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rp["factor"])
@@ -376,6 +378,41 @@ def test_unsupported_layouts_are_load_errors(build, tmp_path):
         (d / "config.json").write_text(json.dumps({**c, **patch}))
         with pytest.raises(ModelLoadError):
             load(str(d), torch.float32, "cpu")
+
+
+def test_phi3_variants_not_supported_are_load_errors(build, tmp_path):
+    """Phi-3 128k / Phi-3.5 / Phi-4 mini: LongRoPE (per-frequency factors chosen by the
+    context length) and partial rotary embeddings; each fails the load, in either format."""
+    name, m, hf_dir, gguf_path = build("phi3")
+    d = tmp_path / "p"
+    d.mkdir()
+    for f in os.listdir(hf_dir):
+        os.symlink(os.path.join(hf_dir, f), d / f)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    os.unlink(d / "config.json")
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64}
+    for patch, says in (({"rope_parameters": longrope, "rope_scaling": longrope}, "longrope"),
+                        ({"partial_rotary_factor": 0.75}, "partial rotary"),     # older configs
+                        ({"rope_parameters": {**c["rope_parameters"], "partial_rotary_factor": 0.75}}, "partial rotary")):
+        (d / "config.json").write_text(json.dumps({**c, **patch}))
+        with pytest.raises(ModelLoadError, match=says):
+            load(str(d), torch.float32, "cpu")
+    r = gguf.GGUFReader(gguf_path)
+    w = gguf.GGUFWriter(str(tmp_path / "long.gguf"), "phi3")
+    for f in r.fields.values():
+        if not f.name.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data.copy())
+    w.add_tensor("rope_factors_long.weight", np.full(HEAD_DIM // 2, 2.0, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="LongRoPE"):
+        load(str(tmp_path / "long.gguf"), torch.float32, "cpu")
 
 
 # ------------------------------------------------------------------ checkpoints per architecture
