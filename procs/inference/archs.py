@@ -228,6 +228,38 @@ def hf_rope(c: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...
     raise ModelLoadError(f"{where}: unsupported RoPE scaling {kind!r} (default, linear, llama3, yarn)")
 
 
+def longrope_attn(factor: float, orig: int) -> float:
+    """LongRoPE's default attention factor for a context `factor` times the trained one."""
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+def hf_phi3(c: dict, head_dim: int, where: str) -> dict:
+    """Phi-3's RoPE fields from a config.json: partial rotary embeddings (rope_dims, Phi-4
+    mini's 0.75) and LongRoPE (Phi-3 128k, Phi-3.5, Phi-4 mini): per-frequency factors, the
+    short set up to the trained context and the long set beyond (Llama picks one by its
+    context, as llama.cpp does; transformers by the sequence's length), and an attention
+    factor, as transformers' _compute_longrope_parameters reads them."""
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
+    partial = float(rp.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 1.0)
+    dims = int(head_dim * partial)
+    out = dict(rope_theta=theta, rope_dims=dims if dims != head_dim else 0)
+    kind = rp.get("rope_type", rp.get("type", "default")) or "default"
+    if kind == "default":
+        return out
+    if kind not in ("longrope", "su"):
+        raise ModelLoadError(f"{where}: unsupported RoPE scaling {kind!r} for phi3 (default, longrope)")
+    orig = int(c.get("original_max_position_embeddings") or rp["original_max_position_embeddings"])
+    short, long = tuple(float(x) for x in rp["short_factor"]), tuple(float(x) for x in rp["long_factor"])
+    if len(short) != dims // 2 or len(long) != dims // 2:
+        raise ModelLoadError(f"{where}: LongRoPE factors of {len(short)} and {len(long)}, not {dims // 2}")
+    attn = rp.get("attention_factor")
+    if attn is None:
+        attn = longrope_attn(float(rp.get("factor") or c["max_position_embeddings"] / orig), orig)
+    return {**out, "rope_factors": short, "rope_factors_long": long, "rope_long_from": orig,
+            "rope_attn_factor": float(attn)}
+
+
 def hf_moe(c: dict, where: str) -> dict:
     """A mixture-of-experts config's ModelConfig fields (Qwen3 MoE). Only the layout where
     every layer's MLP is the experts is supported: transformers makes layer i dense when it

@@ -22,7 +22,7 @@ from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
                                           q4_parts, q8_parts)
 from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_moe, gguf_rope,
-                                   hf_gemma3, hf_moe, hf_rope, layer_names, tensor_name, unused_math)
+                                   hf_gemma3, hf_moe, hf_phi3, hf_rope, layer_names, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
@@ -60,6 +60,12 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0
     moe_norm_topk: bool = False
+    # partial rotary embeddings: the first rope_dims of each head rotate (0: all); the loader
+    # permutes Q and K rows so that they pair as rotate-half pairs of the whole head
+    rope_dims: int = 0
+    # LongRoPE: these factors replace rope_factors for a context above rope_long_from
+    rope_factors_long: tuple[float, ...] = ()
+    rope_long_from: int = 0
 
 
 @dataclass
@@ -81,13 +87,29 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
+def rotary_perm(head_dim: int, rope_dims: int) -> torch.Tensor | None:
+    """Rows of a head in the order that makes partial rotary embeddings (the first R dims
+    rotate, as pairs (i, i + R/2)) rotate-half pairs of the whole head (j, j + D/2): the
+    rotated halves first in each half, the pass-through dims after them, whose frequency
+    is zero (model._rotary). Q and K alike, so their dot products are unchanged."""
+    if not rope_dims or rope_dims == head_dim:
+        return None
+    r, p = rope_dims // 2, (head_dim - rope_dims) // 2
+    return torch.cat([torch.arange(0, r), torch.arange(2 * r, 2 * r + p),
+                      torch.arange(r, 2 * r), torch.arange(2 * r + p, head_dim)])
+
+
 def _split_fused(d: dict, cfg: ModelConfig) -> None:
     """Replace each layer's fused tensors (archs.fused_rows) in d by their row ranges. In a
     Lazy dict each range is made when first read, from the fused value made once and
     dropped when its last range is taken; a value may be a tensor or a tuple of row-aligned
     parts (quantized levels and scales)."""
-    def rows(v, a: int, b: int):
-        return v[a:b].clone() if isinstance(v, torch.Tensor) else tuple(t[a:b].clone() for t in v)
+    perm = rotary_perm(cfg.head_dim, cfg.rope_dims)
+
+    def rows(v, a: int, b: int, ours: str = ""):
+        one = lambda t: t[a:b].clone() if perm is None or ours not in ("wq", "wk") else \
+            t[a:b].reshape(-1, cfg.head_dim, *t.shape[1:])[:, perm].reshape(b - a, *t.shape[1:])
+        return one(v) if isinstance(v, torch.Tensor) else tuple(one(t) for t in v)
     for fused, parts in fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim).items():
         for i in range(cfg.n_layers):
             name = f"layers.{i}.{fused}"
@@ -96,22 +118,22 @@ def _split_fused(d: dict, cfg: ModelConfig) -> None:
             if not isinstance(d, Lazy):
                 v = d.pop(name)
                 for ours, a, b in parts:
-                    d[f"layers.{i}.{ours}"] = rows(v, a, b)
+                    d[f"layers.{i}.{ours}"] = rows(v, a, b, ours)
                 continue
             make = d._make.pop(name, None)          # the fused name leaves the dict now
             made = dict.pop(d, name)
             state = {"make": make or (lambda made=made: made), "value": None, "left": len(parts)}
 
-            def part(a, b, state=state):
+            def part(a, b, ours, state=state):
                 if state["value"] is None:
                     state["value"] = state["make"]()
-                out = rows(state["value"], a, b)
+                out = rows(state["value"], a, b, ours)
                 state["left"] -= 1
                 if not state["left"]:
                     state["value"] = None
                 return out
             for ours, a, b in parts:
-                d.later(f"layers.{i}.{ours}", lambda a=a, b=b, part=part: part(a, b))
+                d.later(f"layers.{i}.{ours}", lambda a=a, b=b, ours=ours, part=part: part(a, b, ours))
 
 
 def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
@@ -127,7 +149,7 @@ def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     significant digits, as a GGUF's f32 values and a config's f64 computation of the same
     scaling agree to that. Fields at their defaults stay out, so adding one changes no
     existing model's fingerprint."""
-    skip = ("quant_bits", "max_context", "arch", "rope_factors")
+    skip = ("quant_bits", "max_context", "arch", "rope_factors", "rope_factors_long")
     dflt = ModelConfig(**{f: getattr(cfg, f) for f in _REQUIRED})
     dims = {k: v for k, v in asdict(cfg).items()
             if k not in skip and (k in _REQUIRED or v != getattr(dflt, k))}
@@ -138,6 +160,8 @@ def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     h.update(cfg.arch.encode() + b"\0" + json.dumps(dims, sort_keys=True).encode())
     if cfg.rope_factors:
         h.update(b"rope_factors\0" + ",".join(f"{f:.6g}" for f in cfg.rope_factors).encode())
+    if cfg.rope_factors_long:
+        h.update(b"rope_factors_long\0" + ",".join(f"{f:.6g}" for f in cfg.rope_factors_long).encode())
     for name in sorted(norms):   # as stored (f32), before any cast to the compute dtype
         h.update(name.encode() + norms[name].cpu().numpy().tobytes())
     return h.digest()
@@ -165,15 +189,13 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     main_type = max(types, key=types.get)
     head_dim = int(m.get(p + "attention.key_length", dim // n_heads))
     rf = dequant(g, "rope_freqs.weight").tolist() if "rope_freqs.weight" in g.tensors else None
-    theta, factors, attn = gguf_rope(m, p, head_dim, rf, path)
+    rope_dims = int(m.get(p + "rope.dimension_count", head_dim)) if arch.fused else head_dim
+    theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path)
     extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
     if arch.name == "gemma3":
         extra.update(gguf_gemma3(m, p, int(m[p + "block_count"]), dim, n_heads, head_dim))
     if arch.fused:
-        if "rope_factors_long.weight" in g.tensors or "rope_factors_short.weight" in g.tensors:
-            raise ModelLoadError(f"{path}: LongRoPE scaling (rope_factors_long/short) is not supported")
-        window = int(m.get(p + "attention.sliding_window", 0))
-        extra["windows"] = (window,) * int(m[p + "block_count"]) if window else ()
+        extra.update(_gguf_phi3(g, p, head_dim, rope_dims, path))
     cfg = ModelConfig(
         n_layers=int(m[p + "block_count"]), dim=dim,
         n_heads=n_heads, n_kv_heads=int(m.get(p + "attention.head_count_kv", n_heads)),
@@ -181,7 +203,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         norm_eps=float(m[p + "attention.layer_norm_rms_epsilon"]),
         max_context=int(m.get(p + "context_length", 4096)),
         tied_embeddings="output.weight" not in g.tensors, quant_bits=QUANT_BITS.get(main_type, 0),
-        arch=arch.name, rope_factors=factors, rope_attn_factor=attn, act=arch.act, **extra)
+        arch=arch.name, act=arch.act, **{"rope_factors": factors, "rope_attn_factor": attn, **extra})
     _check_unused(arch, g.tensors, r"blk\.\d+\.", 1, path)
     names = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
     for i in range(cfg.n_layers):
@@ -230,6 +252,26 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8), q8p)
 
 
+def _gguf_phi3(g: GGUFFile, p: str, head_dim: int, rope_dims: int, where: str) -> dict:
+    """Phi-3's extra fields as llama.cpp's converter writes them: rope.dimension_count below
+    the head size (partial rotary), LongRoPE's factor tensors with original_context_length
+    and rope.scaling.attn_factor, and the sliding window."""
+    m = g.meta
+    window = int(m.get(p + "attention.sliding_window", 0))
+    out = dict(windows=(window,) * int(m[p + "block_count"]) if window else (),
+               rope_dims=rope_dims if rope_dims != head_dim else 0)
+    if "rope_factors_long.weight" not in g.tensors:
+        return out
+    long, short = (tuple(dequant(g, f"rope_factors_{k}.weight").tolist()) for k in ("long", "short"))
+    if len(long) != rope_dims // 2 or len(short) != rope_dims // 2:
+        raise ModelLoadError(f"{where}: LongRoPE factors of {len(short)} and {len(long)}, not {rope_dims // 2}")
+    orig = int(m.get(p + "rope.scaling.original_context_length", 0))
+    if not orig:
+        raise ModelLoadError(f"{where}: LongRoPE without rope.scaling.original_context_length")
+    return {**out, "rope_factors": short, "rope_factors_long": long, "rope_long_from": orig,
+            "rope_attn_factor": float(m.get(p + "rope.scaling.attn_factor", 1.0))}
+
+
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     out = {}
@@ -267,6 +309,8 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         extra = hf_gemma3(c, head_dim, path)
         if c.get("final_logit_softcapping") or c.get("attn_logit_softcapping"):
             raise ModelLoadError(f"{path}: logit soft-capping is not supported")
+    elif arch.fused:
+        extra = hf_phi3(c, head_dim, path)
     else:
         extra = dict(zip(("rope_theta", "rope_factors", "rope_attn_factor"), hf_rope(c, head_dim, path)))
     extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))

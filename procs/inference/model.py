@@ -14,6 +14,7 @@ its logits are bit-identical.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import torch
@@ -130,7 +131,13 @@ class Llama:
         # positions are reached (ensure_rope): untouched rows cost no memory and no start-up
         # time (a 128k context's two tables: ~270 MB and a second). A block is always computed
         # alone, so a position's values never depend on how far the tables were filled.
-        self.rope_specs = [(c.rope_theta, c.rope_factors, c.rope_attn_factor)]
+        # LongRoPE: the long factors for a context above the trained one, as llama.cpp picks
+        # them (once, by the context); checkpoints of the two are not interchangeable
+        factors = c.rope_factors
+        if c.rope_factors_long and max_context > c.rope_long_from:
+            factors = c.rope_factors_long
+            self.fingerprint = hashlib.blake2b(w.fingerprint + b"rope_factors_long", digest_size=16).digest()
+        self.rope_specs = [(c.rope_theta, factors, c.rope_attn_factor)]
         if c.rope_theta_local:
             self.rope_specs.append((c.rope_theta_local, (), 1.0))
         self.rope = [(torch.empty(max_context, c.head_dim, dtype=self.dtype, device=self.device),
@@ -193,16 +200,22 @@ class Llama:
 
     def _rotary(self, theta: float, factors, start: int, n: int, attn_factor: float = 1.0):
         c = self.cfg
-        inv = 1.0 / (theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        rot = c.rope_dims or c.head_dim
+        inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
         if factors:   # RoPE scaling: per-frequency divisors (loader.ModelConfig)
             inv = inv / torch.tensor(factors, dtype=torch.float64)
+        # partial rotary: the pass-through pairs (after the loader's row permutation) turn at
+        # frequency 0 and are not scaled (cos 1, sin 0: exact)
+        scale = torch.full((c.head_dim // 2,), float(attn_factor), dtype=torch.float64)
+        scale[rot // 2:] = 1.0
+        inv = torch.cat([inv, inv.new_zeros(c.head_dim // 2 - rot // 2)])
         ang = torch.outer(torch.arange(start, start + n, dtype=torch.float64), inv)   # [n, D/2]
-        cos, sin = ang.cos(), ang.sin()       # each half of the table once (it repeats)
+        cos, sin = ang.cos() * scale, ang.sin() * scale    # each half of the table once (it repeats)
         # sin with rotate-half's sign folded in: x*cos + roll(x, D/2)*sin equals
         # x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in fewer ops
         # YaRN's attention factor scales both tables, as transformers does: q.k gains its square
-        return ((torch.cat([cos, cos], dim=-1) * attn_factor).to(self.device, self.dtype),
-                (torch.cat([-sin, sin], dim=-1) * attn_factor).to(self.device, self.dtype))
+        return (torch.cat([cos, cos], dim=-1).to(self.device, self.dtype),
+                torch.cat([-sin, sin], dim=-1).to(self.device, self.dtype))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; cos/sin: [T, 1, D] (sin signed, see __init__)

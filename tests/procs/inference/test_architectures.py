@@ -47,6 +47,10 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq
 # of the prompt and all the greedy tokens) lie past the original context
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 
+PHI_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 32,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
+
 CASES = {   # name: (transformers config class, its arguments, GGUF architecture)
     "llama": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False), "llama"),
     "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3, tie_word_embeddings=True), "llama"),
@@ -64,6 +68,11 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
     "yarn": ("Qwen2Config", dict(rope_parameters=YARN, tie_word_embeddings=True), "qwen2"),
     # fused qkv and gate_up, every layer over a sliding window of 8
     "phi3": ("Phi3Config", dict(rope_theta=10000.0, sliding_window=8, tie_word_embeddings=False), "phi3"),
+    # Phi-4 mini's RoPE: 12 of 16 dims rotate, LongRoPE trained at 32 positions (the prompt is
+    # longer: transformers and a context of MAX_POS both take the long factors) with its
+    # attention factor (sqrt(1 + ln 4 / ln 32))
+    "phi4mini": ("Phi3Config", dict(rope_parameters=PHI_LONGROPE, original_max_position_embeddings=32,
+                                    tie_word_embeddings=True), "phi3"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -126,13 +135,21 @@ def _write_gguf(m, path: str, arch: str, qtype=None) -> None:
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
     rp = c.rope_parameters
     rp = rp.get("full_attention", rp)
+    rot = int(head_dim * rp.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(rot)
+    if rp.get("rope_type") == "longrope":   # what convert_hf_to_gguf writes for Phi-3's LongRoPE
+        orig = rp["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(orig)
+        scale = c.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(orig)))
+        w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], dtype=np.float32))
     w.add_rope_freq_base(float(rp["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     gemma = arch == "gemma3"
-    if gemma or (arch == "phi3" and c.sliding_window):   # what llama.cpp's converter writes (Gemma:
+    if gemma or (arch == "phi3" and getattr(c, "sliding_window", None)):   # what llama.cpp's converter writes (Gemma:
         w.add_sliding_window(c.sliding_window)            # it reads the pattern (6) and local base itself)
     if rp.get("rope_type") == "yarn":   # what convert_hf_to_gguf writes for a yarn config
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -380,10 +397,28 @@ def test_unsupported_layouts_are_load_errors(build, tmp_path):
             load(str(d), torch.float32, "cpu")
 
 
-def test_phi3_variants_not_supported_are_load_errors(build, tmp_path):
-    """Phi-3 128k / Phi-3.5 / Phi-4 mini: LongRoPE (per-frequency factors chosen by the
-    context length) and partial rotary embeddings; each fails the load, in either format."""
-    name, m, hf_dir, gguf_path = build("phi3")
+def test_longrope_takes_the_short_factors_in_a_trained_length_context(build):
+    """A context within the trained 32 positions takes the short factors, as transformers
+    does for a sequence that short; the two choices are different models to the cache
+    (fingerprints)."""
+    name, m, hf_dir, gguf_path = build("phi4mini")
+    ids = _prompt(name)[:30]
+    with torch.no_grad():
+        want = m(torch.tensor([ids]), use_cache=False).logits[0].float()
+    for path in (hf_dir, gguf_path):
+        w = load(path, torch.float32, "cpu")
+        short = Llama(w, 32, kernels=native.load())
+        s = KVSession(short, 32, 16)
+        got = s.prefill(ids, logits_at=range(1, len(ids) + 1))
+        diff = (torch.stack([got[n] for n in range(1, len(ids) + 1)]) - want).abs().max().item()
+        assert diff < LOGIT_TOL, (path, diff)
+        assert short.fingerprint != Llama(load(path, torch.float32, "cpu"), MAX_POS).fingerprint
+
+
+def test_phi3_rope_layouts_not_supported_are_load_errors(build, tmp_path):
+    """LongRoPE factors whose count is not half the rotated dims, and another scaling, fail
+    the load."""
+    name, m, hf_dir, _ = build("phi4mini")
     d = tmp_path / "p"
     d.mkdir()
     for f in os.listdir(hf_dir):
@@ -391,28 +426,11 @@ def test_phi3_variants_not_supported_are_load_errors(build, tmp_path):
     with open(os.path.join(hf_dir, "config.json")) as f:
         c = json.load(f)
     os.unlink(d / "config.json")
-    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                "original_max_position_embeddings": 64}
-    for patch, says in (({"rope_parameters": longrope, "rope_scaling": longrope}, "longrope"),
-                        ({"partial_rotary_factor": 0.75}, "partial rotary"),     # older configs
-                        ({"rope_parameters": {**c["rope_parameters"], "partial_rotary_factor": 0.75}}, "partial rotary")):
-        (d / "config.json").write_text(json.dumps({**c, **patch}))
+    for rp, says in (({**PHI_LONGROPE, "short_factor": [1.0] * 8}, "LongRoPE factors"),
+                     ({**PHI_LONGROPE, "rope_type": "yarn", "factor": 4.0}, "unsupported RoPE scaling")):
+        (d / "config.json").write_text(json.dumps({**c, "rope_parameters": rp}))
         with pytest.raises(ModelLoadError, match=says):
             load(str(d), torch.float32, "cpu")
-    r = gguf.GGUFReader(gguf_path)
-    w = gguf.GGUFWriter(str(tmp_path / "long.gguf"), "phi3")
-    for f in r.fields.values():
-        if not f.name.startswith(("GGUF.", "general.architecture")):
-            w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data.copy())
-    w.add_tensor("rope_factors_long.weight", np.full(HEAD_DIM // 2, 2.0, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ModelLoadError, match="LongRoPE"):
-        load(str(tmp_path / "long.gguf"), torch.float32, "cpu")
 
 
 # ------------------------------------------------------------------ checkpoints per architecture
