@@ -63,7 +63,10 @@ def error_shape(ex: falcon.HTTPError, req) -> dict:
 
 
 def ours(req) -> bool:
-    return req.path == PATH or req.path.startswith(PATH + "/")
+    """Requests whose errors take Anthropic's shape: /v1/messages and below, and the model
+    list asked by the Anthropic client (its anthropic-version header), as its answers do."""
+    return req.path == PATH or req.path.startswith(PATH + "/") or \
+        (req.path.startswith("/v1/models") and bool(req.get_header("anthropic-version")))
 
 
 # -- response ------------------------------------------------------------------------------

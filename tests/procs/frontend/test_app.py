@@ -287,6 +287,9 @@ def test_models():
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", card["created_at"])
     one = c.simulate_get("/v1/models/claude-sonnet-4-5", headers={"anthropic-version": "2023-06-01"}).json
     assert one["type"] == "model" and one["id"] == "claude-sonnet-4-5"
+    # and its errors in Anthropic's shape
+    r = strict.simulate_get("/v1/models/other", headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 404 and r.json["type"] == "error" and r.json["error"]["type"] == "not_found_error", r.json
 
 
 def test_health():
