@@ -277,7 +277,7 @@ class Runs:
         t2 = time.perf_counter()
         self.active.pop(job.rid, None)
         self.cancelled.discard(job.rid)
-        if keep < 0 and job.run_last and run.sid:
+        if keep < 0 and run.sid:
             self.ended[job.rid] = (run.sid, len(sess))
             while len(self.ended) > MAX_ENDED:
                 self.ended.popitem(last=False)
@@ -303,8 +303,9 @@ class Runs:
             del self.ended[rid]
 
     def keep_late(self, rid: str, keep: int) -> None:
-        """A call's end heard after its job ended on the stop token: the session is cut as
-        end() would have cut it, if nothing has used it since (the renderer mirrors it cut)."""
+        """A keep (a call's end, a stop string's start) heard after its job ended: the session
+        is cut as end() would have cut it, if nothing has used it since (the renderer mirrors
+        it cut)."""
         sid, n = self.ended.pop(rid)
         sess = self.sessions.get(sid)
         if sess is None or len(sess) != n or not 0 < keep < n or not sess.can_keep(keep - 1):

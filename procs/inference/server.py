@@ -124,8 +124,8 @@ class Worker(Placement, Runs):
         self.clock = 0                         # prompt tokens prefilled so far (runs.py: the prefill order)
         self.cancelled: set[str] = set()
         self.keep: dict[str, int] = {}   # rid -> live tokens to keep when it is cancelled
-        # rid -> (session, its length) of a job that may still hear its keep: one that could
-        # end in a tool call and ended on its own, its session untouched since (runs.end)
+        # rid -> (session, its length) of a job that may still hear its keep (a tool call's
+        # end, a stop string's start): it ended on its own, its session untouched since (runs.end)
         self.ended: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()
         self.sent_back: dict[str, None] = {}   # rids of jobs sent back once (the next run goes cold)
         self.boot = uuid.uuid4().hex
@@ -160,9 +160,10 @@ class Worker(Placement, Runs):
                 if len(self.cancelled) > MAX_CANCELLED:   # cancels of jobs this process never saw
                     known = {j.rid for j in self.jobs} | set(self.active)
                     self.cancelled &= known | {msg.rid}
-                # a call's end (keep) often comes after its job ended on the stop token: kept
-                # for a job still here, applied late to an ended one's untouched session (the
-                # renderer's next job for it comes after this message), else forgotten
+                # a keep often comes after its job ended (a call's end: on the stop token; a
+                # stop string: at the token limit): kept for a job still here, applied late to an
+                # ended one's untouched session (the renderer's next job for it comes after
+                # this message), else forgotten
                 if msg.keep >= 0 and (msg.rid in self.active or any(j.rid == msg.rid for j in self.jobs)):
                     self.keep[msg.rid] = msg.keep
                 elif msg.keep >= 0 and msg.rid in self.ended:

@@ -87,7 +87,9 @@ class Answers:
         if p.stream.stopped:   # a stop string: end here, and stop the model
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
             self.finish(p, "stop")
-            self.to_inference(m.CancelJob(rid=p.req.rid))
+            if p.calls is None:    # the session keeps the tokens of the text the client got:
+                p.keep = p.n_prompt + sum(1 for b in p.gen_bytes if b <= p.stream.sent)   # a prefix
+            self.to_inference(m.CancelJob(rid=p.req.rid, keep=p.keep))      # of the next turn
             return
         if text or lps or pieces:
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))

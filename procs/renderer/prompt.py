@@ -157,14 +157,19 @@ class TextStream:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.stopped = False
+        self.sent = 0           # UTF-8 bytes of the text returned so far (before a stop string)
 
     def push(self, tok: int) -> str:
-        return self._emit(self.detok.push(tok))
+        return self._count(self._emit(self.detok.push(tok)))
 
     def flush(self) -> str:
         out = self._emit(self.detok.flush())
         out += self.held if not self.stopped else ""
         self.held = ""
+        return self._count(out)
+
+    def _count(self, out: str) -> str:
+        self.sent += len(out.encode("utf-8", "surrogateescape"))
         return out
 
     def _emit(self, new: str) -> str:

@@ -249,6 +249,22 @@ def test_stop_strings(server):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_the_turn_after_a_stop_string_reuses_the_answer_before_it(server):
+    """A stop string ends the answer inside what the model wrote: the live session is cut
+    back to the tokens of the text the client got, so the next turn, which sends the answer
+    as the client has it, is served from the session, answer included. Before, the session
+    went on past it, and a conversation this short (under --kv-cache-min-tokens) matched
+    nothing."""
+    messages = user(f"Describe the sea in one sentence, {tag()}.")
+    stop = _pick_stop(chat_text(server, messages, max_tokens=16))
+    r1 = chat(server, messages, max_tokens=16, stop=[stop])
+    assert r1.choices[0].finish_reason == "stop" and r1.choices[0].message.content
+    turn2 = messages + [{"role": "assistant", "content": r1.choices[0].message.content},
+                        {"role": "user", "content": "And the sky?"}]
+    r2 = chat(server, turn2, max_tokens=2)
+    assert r2.usage.prompt_tokens_details.cached_tokens > r1.usage.prompt_tokens, (r1.usage, r2.usage)
+
+
 def test_multi_turn_reuses_the_live_session(server):
     turn1 = user(f"My name is {tag()}. Say hi.")
     r1 = chat(server, turn1, max_tokens=10)
