@@ -311,7 +311,7 @@ class Runs:
         if sess is None or len(sess) != n or not 0 < keep < n or not sess.can_keep(keep - 1):
             return
         cut_to(sess, keep)
-        self.trace.line(f"KV cache: session {sid} cut to {keep} tokens after its tool call")
+        self.trace.line(f"KV cache: session {sid} cut to {keep} tokens (its answer's end, heard late)")
         metrics.M.live_tokens.set(self.sessions.tokens)
 
     def fail(self, run: Run, e: Exception) -> None:

@@ -43,7 +43,8 @@ class Pending:
     session: int = 0                # the resident session it runs in (0: a new one)
     reuse: int = 0                  # that session's tokens it keeps (rows below are not rewritten)
     waits_for: str = ""              # queued: the running job it follows (dispatch waits for it)
-    keep: int = -1                  # session tokens its tool call keeps (CancelJob.keep), -1: all
+    keep: int = -1                  # session tokens its answer keeps (CancelJob.keep: a tool call's
+                                    # or a stop string's end), -1: all
 
     @property
     def n_prompt(self) -> int:

@@ -349,8 +349,8 @@ class Renderer(Readiness, Answers, Dispatch):
         elif isinstance(ev, m.JobDone):
             if not p.finished:     # cancelled by inference itself (shutdown)
                 self.finish(p, "length" if ev.reason == "length" else "stop")
-            # a job that ended on its stop token before hearing its keep: inference cuts the
-            # session when the keep reaches it, before any job sent after this point
+            # a job that ended before hearing its keep (a tool call's end, a stop string's):
+            # inference cuts the session when the keep reaches it, before any job sent after now
             live = ev.live[:p.keep] if 0 < p.keep < len(ev.live) else ev.live
             self.job_session(p, ev.session, live, ev.keep_from, ev.resident)
             del self.running[ev.rid]

@@ -148,8 +148,6 @@ def detect(template: str | None) -> Format:
 def _partial(f: Format) -> re.Pattern:
     if f.kind == "args":
         return re.compile(r"\s*" + re.escape(f.head_pre) + r"([^\[\]]+)\[ARGS\](.*)\Z", re.S)
-    if f.kind == "xml":
-        return re.compile(r"\s*" + re.escape(f.trigger) + r"\s*<function=([^>\n]+)>(.*)\Z", re.S)
     lead = {"tags": re.escape(f.trigger) + r"\s*", "object": "", "array": re.escape(f.trigger) + r"\s*\[.*"}[f.kind]
     return re.compile(r"\s*" + lead + r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)\Z',
                       re.S)
