@@ -378,17 +378,21 @@ def test_fingerprint_names_architecture_and_rope_scaling(build):
     assert fingerprint(dataclasses.replace(w.config, norm_eps=float(np.float32(1e-6))), norms) == fp
 
 
+def _linked_dir(hf_dir: str, tmp_path) -> tuple:
+    """(a dir linking an HF dir's files but its config.json, that config) to load patched."""
+    d = tmp_path / "linked"
+    d.mkdir()
+    for f in os.listdir(hf_dir):
+        if f != "config.json":
+            os.symlink(os.path.join(hf_dir, f), d / f)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return d, json.load(f)
+
+
 def test_unsupported_layouts_are_load_errors(build, tmp_path):
     """Tensors that change the math but that the architecture would not read, and attention
     the model does not run, fail the load instead of loading a different model."""
-    name, m, hf_dir, _ = build("qwen2")
-    d = tmp_path / "q"
-    d.mkdir()
-    for f in os.listdir(hf_dir):
-        os.symlink(os.path.join(hf_dir, f), d / f)
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        c = json.load(f)
-    os.unlink(d / "config.json")
+    d, c = _linked_dir(build("qwen2")[2], tmp_path)
     for patch in ({"model_type": "llama"},                    # q/k/v biases a llama would drop
                   {"use_sliding_window": True},
                   {"model_type": "gemma"}):
@@ -418,14 +422,7 @@ def test_longrope_takes_the_short_factors_in_a_trained_length_context(build):
 def test_phi3_rope_layouts_not_supported_are_load_errors(build, tmp_path):
     """LongRoPE factors whose count is not half the rotated dims, and another scaling, fail
     the load."""
-    name, m, hf_dir, _ = build("phi4mini")
-    d = tmp_path / "p"
-    d.mkdir()
-    for f in os.listdir(hf_dir):
-        os.symlink(os.path.join(hf_dir, f), d / f)
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        c = json.load(f)
-    os.unlink(d / "config.json")
+    d, c = _linked_dir(build("phi4mini")[2], tmp_path)
     for rp, says in (({**PHI_LONGROPE, "short_factor": [1.0] * 8}, "LongRoPE factors"),
                      ({**PHI_LONGROPE, "rope_type": "yarn", "factor": 4.0}, "unsupported RoPE scaling")):
         (d / "config.json").write_text(json.dumps({**c, "rope_parameters": rp}))
