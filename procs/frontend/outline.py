@@ -122,10 +122,91 @@ class Blocks:
 
 
 def parse_json_object(text: str):
-    """Tool arguments as an object (Anthropic's `input`): a JSON object as it is; anything
-    else, wrapped as {"arguments": value}."""
+    """Tool arguments as an object (Anthropic's `input`): a JSON object as it is; one the
+    token limit cut, as a streaming client assembles it (partial_json); anything else,
+    wrapped as {"arguments": value}."""
     try:
         v = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError:
-        return {"arguments": text}
+        try:
+            v = partial_json(text)
+        except ValueError:
+            return {"arguments": text}
     return v if isinstance(v, dict) else {"arguments": v}
+
+
+_DEC = json.JSONDecoder()
+_WS = " \t\r\n"
+
+
+def partial_json(text: str):
+    """The value a JSON text cut short stands for, as the Anthropic SDK's stream assembly
+    reads partial input (jiter's partial mode): open objects and arrays closed, a string,
+    literal or key not finished left out with its key; a number kept where it is one.
+    ValueError when the text is not the beginning of JSON."""
+    try:
+        v, _, _ = _partial(text, 0)
+    except EOFError:
+        raise ValueError("a value not finished") from None
+    return v
+
+
+def _skip(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+def _partial(s: str, i: int):
+    """(value, end, whole) of the JSON value at s[i]; at the text's end a container comes
+    back as far as it goes (whole False) and a scalar raises EOFError."""
+    i = _skip(s, i)
+    if i >= len(s):
+        raise EOFError
+    if s[i] in "{[":
+        obj, close = ({}, "}") if s[i] == "{" else ([], "]")
+        i += 1
+        while True:
+            i = _skip(s, i)
+            if i >= len(s):
+                return obj, i, False
+            if s[i] == close:
+                return obj, i + 1, True
+            if obj and s[i] == ",":
+                i = _skip(s, i + 1)
+                if i >= len(s):
+                    return obj, i, False
+            key = None
+            if close == "}":
+                try:
+                    key, i = _DEC.raw_decode(s, i)
+                except json.JSONDecodeError:
+                    if s.startswith('"', i):   # a key not finished
+                        return obj, len(s), False
+                    raise ValueError("not JSON") from None
+                i = _skip(s, i)
+                if i >= len(s):
+                    return obj, i, False
+                if s[i] != ":":
+                    raise ValueError("not JSON")
+                i += 1
+            try:
+                v, i, whole = _partial(s, i)
+            except EOFError:
+                return obj, len(s), False
+            if close == "}":
+                obj[key] = v
+            else:
+                obj.append(v)
+            if not whole:
+                return obj, i, False
+    try:
+        v, end = _DEC.raw_decode(s, i)
+    except json.JSONDecodeError:
+        if s[i] == '"' or s[i] in "tfn-0123456789":
+            raise EOFError from None    # a scalar not finished (checked as a prefix below)
+        raise ValueError("not JSON") from None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and end < len(s) \
+            and all(c in "0123456789.eE+-" for c in s[end:]):
+        raise EOFError                  # a number cut inside its fraction or exponent
+    return v, end, True

@@ -243,6 +243,27 @@ def test_calls_stream_while_they_are_written(server):
     assert isinstance(use.input["city"], str)
 
 
+def test_a_call_the_limit_cuts_reads_alike_whole_and_streamed(server):
+    """A forced call cut by max_tokens inside its arguments: the tool_use input of the whole
+    answer is what the anthropic SDK assembles from the stream of the same answer (a value
+    not finished left out, as its partial JSON reading does). Before, the whole answer said
+    {"arguments": "<the text so far>"}."""
+    seen = set()
+    for max_tokens in (3, 5, 7, 9):
+        kw = dict(model=server.health["model"], system=EXAMPLE, tools=AN_TOOLS, max_tokens=max_tokens,
+                  tool_choice={"type": "tool", "name": "get_weather"},
+                  messages=[{"role": "user", "content": f"What is the weather in Oslo? {tag()}"}])
+        whole = an(server).messages.create(**kw)
+        with an(server).messages.stream(**kw) as st:
+            streamed = st.get_final_message()
+        [a] = [b for b in whole.content if b.type == "tool_use"]
+        [b] = [b for b in streamed.content if b.type == "tool_use"]
+        assert whole.stop_reason == streamed.stop_reason
+        assert a.input == b.input and "arguments" not in a.input, (max_tokens, a.input, b.input)
+        seen.add(whole.stop_reason)
+    assert "max_tokens" in seen
+
+
 def test_messages_prefill_is_continued(server, text_model):
     """A trailing assistant text is continued: the prompt ends with it (no end of turn, no
     new assistant header: a few tokens more than the question alone, not the ~5 of a turn's
