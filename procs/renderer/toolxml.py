@@ -72,7 +72,7 @@ def params(f: Format, s: str, i: int, strings: frozenset[str], final: bool = Fal
     then what is whole, and a value cut short as far as it goes); ValueError when it cannot
     be a call."""
     args = {}
-    close = f.value_close.rstrip("\n")
+    close = f.value_close       # whole, as the grammar ends a value: "\n</parameter>x" is text
     while True:
         mp = _PARAM.match(s, i)
         if mp is None:
@@ -155,7 +155,7 @@ class Stream:
 
     def __init__(self, f: Format, strings: frozenset[str], pos: int):
         self.f, self.strings = f, strings
-        self.close = f.value_close.rstrip("\n")
+        self.close = f.value_close
         self.pos = pos            # where the next parameter (or the end) is looked for
         self.key = None           # the open parameter
         self.start = self.done = 0   # its value's start; how far it was passed on

@@ -27,7 +27,7 @@ TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": EDIT}},
          {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
 STRINGS = toolxml.string_params(TOOLS)
 # a file being written that holds the format's own tags, and a string that reads as JSON
-HARD = {"path": "12", "line": 3, "code": "x = '</parameter>'\nprint('</function>\\n</tool_call>')\n",
+HARD = {"path": "12", "line": 3, "code": "x = '</parameter>'\n</parameter>y\nprint('</function>\\n</tool_call>')\n",
         "flags": ["-n", "ü"], "dry": False}
 
 
@@ -134,9 +134,8 @@ def test_a_constrained_call_streams_its_arguments_as_json_while_written(step):
     heads = [i for i, x in enumerate(pieces) if x.name]
     args = "".join(x.arguments for x in pieces)
     assert len(heads) == 1 and heads[0] == 0 and args == p.calls[0][2] and json.loads(args) == HARD
-    if step == 1:
+    if step == 1:   # (the pieces concatenate to the arguments: a closing never went out as text)
         assert sum(1 for x in pieces if x.arguments) > 40
-        assert all("</par" not in x.arguments for x in pieces)
     for cut in range(block.index("<parameter=code>"), len(block) - 20, 5):
         p = t.CallParser(fmt=QWEN_XML, strings=STRINGS, grow=True)
         sent = "".join(x.arguments for x in stream(p, block[:cut], step))
