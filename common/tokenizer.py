@@ -30,6 +30,12 @@ _LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n
 # writes tokenizer.json's (?i:'s|...) as explicit case classes, which onig needs neither way
 _QWEN2_RE = _LLAMA3_RE.replace(r"|\p{N}{1,3}|", r"|\p{N}|")
 _QWEN2_LIKE = {"qwen2", "stablelm2", "hunyuan"}
+# o200k (tokenizer.ggml.pre "gpt-4o": gpt-oss): a word is an optional leading non-letter, then
+# capitals then lower case (or capitals alone), with its contraction; up to 3 digits; punctuation
+# runs take trailing newlines and slashes
+_GPT4O_RE = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+             r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+             r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 TEXT_CACHE_SIZE = 32     # piece_bytes results of tuples kept (a few per resident session)
 TEXT_CACHE_MIN = 1024    # ids in a tuple worth keeping its bytes for
 _DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
@@ -195,7 +201,7 @@ def from_gguf(g: GGUFFile) -> TextModel:
     merges = [tuple(x.split(" ", 1)) for x in m.get("tokenizer.ggml.merges", [])]
     pre = str(m.get("tokenizer.ggml.pre", "default"))
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                     fuse_unk=False, ignore_merges=pre in _LLAMA3_LIKE)
+                     fuse_unk=False, ignore_merges=pre in _LLAMA3_LIKE or pre == "gpt-4o")
     tok = Tokenizer(bpe)
     if pre in _DIGITS_FIRST or pre in _GPT2_LIKE:
         regex = _GPT2_RE
@@ -203,6 +209,8 @@ def from_gguf(g: GGUFFile) -> TextModel:
         regex = _LLAMA3_RE
     elif pre in _QWEN2_LIKE:
         regex = _QWEN2_RE
+    elif pre == "gpt-4o":
+        regex = _GPT4O_RE
     else:
         raise TokenizerError(f"unsupported pre-tokenizer {pre!r}")
     seq = []

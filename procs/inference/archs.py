@@ -37,6 +37,13 @@ class Arch:
     moe: bool = False
     # Q, K and V in one tensor, gate and up in another (Phi-3): split by rows at load
     fused: bool = False
+    # gpt-oss: a bias on the attention output, a learned sink logit per head in each layer's
+    # softmax, biases on the router and the experts, whose activation is act
+    o_bias: bool = False
+    sinks: bool = False
+    expert_bias: bool = False
+    # GGUF tensor names that differ from LAYER_TENSORS' (ours -> GGUF suffix)
+    gguf_names: tuple[tuple[str, str], ...] = ()
 
 
 _GEMMA_HF = (("ffn_norm", "pre_feedforward_layernorm.weight"),
@@ -60,6 +67,19 @@ ARCHS["qwen3moe"] = ARCHS["qwen3_moe"] = Arch("qwen3moe", qk_norm=True, gguf_per
 # Phi-3 / Phi-4: Llama with fused qkv and gate_up tensors (NeoX RoPE, unpermuted) and an
 # optional sliding window over every layer (Phi-3 mini 4k: 2047, as transformers applies it)
 ARCHS["phi3"] = Arch("phi3", gguf_permuted_qk=False, fused=True)
+# gpt-oss: Llama attention with biases and sinks, every other layer over a sliding window,
+# YaRN; experts behind a top-k router, their gate and up clamped (swiglu_oai). HF keeps gate
+# and up of all experts in one interleaved tensor ([E, dim, 2*ffn]; the loader splits it),
+# the GGUF apart; llama.cpp names the MLP's norm post_attention_norm there.
+ARCHS["gpt-oss"] = ARCHS["gpt_oss"] = Arch(
+    "gpt-oss", qkv_bias=True, gguf_permuted_qk=False, moe=True, o_bias=True, sinks=True, expert_bias=True,
+    act="swiglu_oai",
+    hf_names=(("router", "mlp.router.weight"), ("router_b", "mlp.router.bias"),
+              ("gate_exps", "mlp.experts.gate_proj"), ("up_exps", "mlp.experts.up_proj"),
+              ("down_exps", "mlp.experts.down_proj"), ("gate_exps_b", "mlp.experts.gate_proj_bias"),
+              ("up_exps_b", "mlp.experts.up_proj_bias"), ("down_exps_b", "mlp.experts.down_proj_bias")),
+    gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
+GPT_OSS_SWA_PATTERN = 2         # layer i slides when i % 2 == 0 (transformers' layer_types default)
 # Gemma 3: every 6th layer attends globally, the others over a sliding window with their own
 # RoPE base (llama.cpp's set_swa_pattern(6) and rope_freq_base_train_swa; transformers'
 # layer_types and rope_parameters["sliding_attention"]).
@@ -93,6 +113,13 @@ LAYER_TENSORS = {
     # fused (Arch.fused): split into wq/wk/wv and w_gate/w_up by fused_rows()
     "wqkv": ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
     "w_gate_up": ("mlp.gate_up_proj.weight", "ffn_up.weight"),
+    # gpt-oss (Arch.o_bias, sinks, expert_bias); its HF experts are named in its hf_names
+    "bo": ("self_attn.o_proj.bias", "attn_output.bias"),
+    "sinks": ("self_attn.sinks", "attn_sinks.weight"),
+    "router_b": ("mlp.gate.bias", "ffn_gate_inp.bias"),
+    "gate_exps_b": ("mlp.experts.{e}.gate_proj.bias", "ffn_gate_exps.bias"),
+    "up_exps_b": ("mlp.experts.{e}.up_proj.bias", "ffn_up_exps.bias"),
+    "down_exps_b": ("mlp.experts.{e}.down_proj.bias", "ffn_down_exps.bias"),
 }
 # Tensors of the layers that change the math, which an architecture without them must not
 # silently drop (a Llama with attention_bias, say): present but unused is a load error.
@@ -114,6 +141,12 @@ def layer_names(arch: Arch) -> list[str]:
     names += ["router", "gate_exps", "up_exps", "down_exps"] if arch.moe else ["w_gate", "w_up", "w_down"]
     if arch.qkv_bias:
         names += ["bq", "bk", "bv"]
+    if arch.o_bias:
+        names += ["bo"]
+    if arch.sinks:
+        names += ["sinks"]
+    if arch.expert_bias:
+        names += ["router_b", "gate_exps_b", "up_exps_b", "down_exps_b"]
     if arch.qk_norm:
         names += ["q_norm", "k_norm"]
     if arch.post_norms:
@@ -131,16 +164,16 @@ def fused_rows(n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int) -> di
 
 def tensor_name(arch: Arch, ours: str, fmt: int) -> str:
     """The per-layer suffix of our tensor `ours` in format fmt (0: HF, 1: GGUF)."""
-    if fmt == 0 and arch.hf_names:
-        return dict(arch.hf_names).get(ours, LAYER_TENSORS[ours][0])
-    return LAYER_TENSORS[ours][fmt]
+    names = arch.hf_names if fmt == 0 else arch.gguf_names
+    return dict(names).get(ours, LAYER_TENSORS[ours][fmt])
 
 
 def unused_math(arch: Arch, present: set[str], fmt: int) -> list[str]:
     """Per-layer tensors present (suffixes as in LAYER_TENSORS[..][fmt]) that change the math
     but that this architecture would not read."""
     used = {tensor_name(arch, n, fmt) for n in layer_names(arch)}
-    known = {v[fmt] for v in LAYER_TENSORS.values()} | MATH_EXTRAS | {v for _, v in arch.hf_names}
+    known = {v[fmt] for v in LAYER_TENSORS.values()} | MATH_EXTRAS | \
+        {v for _, v in (arch.hf_names if fmt == 0 else arch.gguf_names)}
     present = {re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{e}.", s) for s in present}
     return sorted(s for s in present if s in known and s not in used)
 
@@ -286,9 +319,40 @@ def gguf_moe(meta: dict, prefix: str, where: str) -> dict:
         raise ModelLoadError(f"{where}: missing GGUF field {e}") from None
     if int(meta.get(prefix + "leading_dense_block_count", 0)) or int(meta.get(prefix + "expert_shared_count", 0)):
         raise ModelLoadError(f"{where}: dense or shared-expert MLPs are not supported")
-    if int(meta.get(prefix + "expert_gating_func", 1)) != 1:
+    # 1: softmax over all, 3 (gpt-oss): softmax over the chosen logits, which is the former
+    # renormalized (moe_norm_topk)
+    if int(meta.get(prefix + "expert_gating_func", 1)) not in (1, 3):
         raise ModelLoadError(f"{where}: only softmax expert gating is supported")
     return fields
+
+
+def hf_gpt_oss(c: dict, head_dim: int, where: str) -> dict:
+    """gpt-oss's ModelConfig fields from a config.json: its experts (each ffn wide; the router's
+    softmax over the chosen k logits is the renormalized softmax over all), the alternating
+    windows, YaRN (truncate false in the released configs: the ramp's bounds not rounded, as
+    OpenAI's reference computes them), the clamped SwiGLU's alpha and limit."""
+    n = c.get("num_local_experts", c.get("num_experts"))
+    if not n or not c.get("num_experts_per_tok"):
+        raise ModelLoadError(f"{where}: a mixture of experts needs num_local_experts and num_experts_per_tok")
+    rp = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    rp.setdefault("rope_theta", c.get("rope_theta", 150000.0))
+    theta, factors, attn = hf_rope({**c, "rope_parameters": rp}, head_dim, where)
+    layers = int(c["num_hidden_layers"])
+    types = c.get("layer_types") or ["sliding_attention" if i % GPT_OSS_SWA_PATTERN == 0 else "full_attention"
+                                     for i in range(layers)]
+    window = int(c.get("sliding_window") or 0)
+    return dict(rope_theta=theta, rope_factors=factors, rope_attn_factor=attn, ffn_dim=int(c["intermediate_size"]),
+                n_experts=int(n), n_experts_used=int(c["num_experts_per_tok"]), moe_norm_topk=True,
+                windows=tuple(window if t == "sliding_attention" else 0 for t in types) if window else (),
+                swiglu_alpha=float(c.get("swiglu_alpha", 1.702)), swiglu_limit=float(c.get("swiglu_limit", 7.0)))
+
+
+def gguf_gpt_oss(meta: dict, prefix: str, n_layers: int) -> dict:
+    """The same from GGUF metadata, as llama.cpp reads it: pattern 2 from layer 0, its SwiGLU
+    constants (the converter writes none), YaRN's ramp unrounded (see hf_gpt_oss)."""
+    window = int(meta.get(prefix + "attention.sliding_window", 0))
+    windows = tuple(window if i % GPT_OSS_SWA_PATTERN == 0 else 0 for i in range(n_layers)) if window else ()
+    return dict(windows=windows, swiglu_alpha=1.702, swiglu_limit=7.0)
 
 
 def gemma3_layers(n_layers: int, window: int, pattern: int = GEMMA3_SWA_PATTERN,
@@ -335,13 +399,14 @@ def gguf_gemma3(meta: dict, prefix: str, n_layers: int, dim: int, n_heads: int, 
 
 
 def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs,
-              where: str) -> tuple[float, tuple[float, ...], float]:
+              where: str, truncate: bool = True) -> tuple[float, tuple[float, ...], float]:
     """(theta, divisors or (), attention factor) from GGUF metadata and the optional rope_freqs
     tensor, which llama.cpp's converter writes for Llama 3.1 scaling (the divisors themselves).
     YaRN as the converter writes it from a config: rope.scaling.factor, original_context_length,
     and yarn_beta_fast / yarn_beta_slow / yarn_attn_factor when the config sets them (a config's
     attention_factor replaces the 0.1 ln(factor) + 1 default, as in transformers); the
-    converter writes no truncate flag and ggml always rounds the ramp's bounds."""
+    converter writes no truncate flag and ggml always rounds the ramp's bounds (truncate: False
+    for gpt-oss, whose config says so and whose reference does not round)."""
     theta = float(meta.get(prefix + "rope.freq_base", 10000.0))
     dims = int(meta.get(prefix + "rope.dimension_count", head_dim))
     if dims != head_dim:
@@ -363,7 +428,8 @@ def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs,
         if key + "original_context_length" not in meta:
             raise ModelLoadError(f"{where}: YaRN scaling without rope.scaling.original_context_length")
         yarn = yarn_factors(theta, head_dim, scale, float(meta[key + "original_context_length"]),
-                            float(meta.get(key + "yarn_beta_fast", 32.0)), float(meta.get(key + "yarn_beta_slow", 1.0)))
+                            float(meta.get(key + "yarn_beta_fast", 32.0)), float(meta.get(key + "yarn_beta_slow", 1.0)),
+                            truncate)
         factors = [f * y for f, y in zip(factors, yarn)]
         attn = float(meta.get(key + "yarn_attn_factor", yarn_mscale(scale)))
     elif kind != "none":

@@ -108,10 +108,35 @@ def dequant(g: GGUFFile, name: str, raw=None, shape=None) -> torch.Tensor:
         return _q6_k(raw).reshape(shape)
     if t == "Q5_0":
         return _q5_0(raw).reshape(shape)
+    if t == "MXFP4":
+        return _mxfp4(raw).reshape(shape)
     from gguf.quants import dequantize   # the other K-quants and the rest: slower, but correct
     from gguf.constants import GGMLQuantizationType
     arr = dequantize(raw.numpy().reshape(shape[0], -1), GGMLQuantizationType(info.type_id))
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+
+
+# MXFP4's e2m1 levels by nibble (OCP microscaling; the scale byte is a power of two, 2^(s-127))
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An HF MXFP4 tensor (blocks uint8 [..., rows, G, 16], two values a byte, the low nibble
+    first; scales uint8 [..., rows, G]) as f32 [..., rows, G * 32]."""
+    lut = torch.tensor(E2M1)
+    vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)   # [..., G, 16, 2]
+    vals = vals.flatten(-2) * torch.exp2(scales.float() - 127).unsqueeze(-1)                # [..., G, 32]
+    return vals.flatten(-2)
+
+
+def _mxfp4(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF's MXFP4 blocks (17 bytes: the scale byte, then 16 bytes whose low nibbles are
+    values 0-15 and high nibbles 16-31) -> float32 [blocks, 32], the gguf package's values."""
+    b = raw.view(-1, 17)
+    lut = torch.tensor(E2M1)
+    qs = b[:, 1:]
+    vals = torch.cat([lut[(qs & 0x0F).long()], lut[(qs >> 4).long()]], dim=1)
+    return vals * torch.exp2(b[:, :1].float() - 127)
 
 
 # source types whose blocks of 32 are exactly int8 levels times one f16 scale (q8_parts)

@@ -1,6 +1,7 @@
 """Load a Llama-family checkpoint (GGUF, or a Hugging Face safetensors dir) into torch.
 
-The architectures (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Gemma 3) are described in procs/inference/archs.py.
+The architectures (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Phi-3, Gemma 3, gpt-oss) are described
+in procs/inference/archs.py.
 Format quirks live here, never in forward(): Llama-family GGUFs store Q/K rows permuted for
 llama.cpp's adjacent-pair RoPE, and we un-permute them to the Hugging Face half-split layout
 the model uses; quantized tensors are dequantized once, into the compute dtype.
@@ -20,12 +21,13 @@ import torch
 
 from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
-                                          q4_parts, q8_parts)
-from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_moe, gguf_rope,
-                                   hf_gemma3, hf_moe, hf_phi3, hf_rope, layer_names, tensor_name, unused_math)
+                                          mxfp4_rows, q4_parts, q8_parts)
+from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_gpt_oss, gguf_moe,
+                                   gguf_rope, hf_gemma3, hf_gpt_oss, hf_moe, hf_phi3, hf_rope, layer_names,
+                                   tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
-              "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+              "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class ModelConfig:
     # LongRoPE: these factors replace rope_factors for a context above rope_long_from
     rope_factors_long: tuple[float, ...] = ()
     rope_long_from: int = 0
+    # gpt-oss's expert activation (act "swiglu_oai"): gate clamped above at limit, up to
+    # [-limit, limit], out = gate * sigmoid(alpha * gate) * (up + 1)
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
 
 @dataclass
@@ -190,8 +196,10 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     head_dim = int(m.get(p + "attention.key_length", dim // n_heads))
     rf = dequant(g, "rope_freqs.weight").tolist() if "rope_freqs.weight" in g.tensors else None
     rope_dims = int(m.get(p + "rope.dimension_count", head_dim)) if arch.fused else head_dim
-    theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path)
+    theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path, truncate=arch.name != "gpt-oss")
     extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
+    if arch.name == "gpt-oss":
+        extra.update(gguf_gpt_oss(m, p, int(m[p + "block_count"])))
     if arch.name == "gemma3":
         extra.update(gguf_gemma3(m, p, int(m[p + "block_count"]), dim, n_heads, head_dim))
     if arch.fused:
@@ -272,8 +280,27 @@ def _gguf_phi3(g: GGUFFile, p: str, head_dim: int, rope_dims: int, where: str) -
             "rope_attn_factor": float(m.get(p + "rope.scaling.attn_factor", 1.0))}
 
 
+def _gpt_oss_experts(st: dict) -> None:
+    """gpt-oss's HF experts in place as stacked [E, rows, cols] linears (GGUF's layout, the
+    names of Arch.hf_names): gate_up_proj [E, dim, 2*ffn] (gate and up interleaved by
+    column) and down_proj [E, ffn, dim] transposed, or their MXFP4 *_blocks / *_scales
+    (the released checkpoints: rows already out-major) dequantized."""
+    for key in [k for k in st if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_blocks"))]:
+        p = key[:key.index("mlp.experts.") + len("mlp.experts.")]
+        if key.endswith("_blocks"):
+            gu = mxfp4_rows(st.pop(key), st.pop(p + "gate_up_proj_scales"))                   # [E, 2F, dim]
+            st[p + "down_proj"] = mxfp4_rows(st.pop(p + "down_proj_blocks"), st.pop(p + "down_proj_scales"))
+        else:
+            gu = st.pop(key).transpose(1, 2)
+            st[p + "down_proj"] = st[p + "down_proj"].transpose(1, 2)
+        st[p + "gate_proj"], st[p + "up_proj"] = gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous()
+        st[p + "down_proj"] = st[p + "down_proj"].contiguous()
+        b = st.pop(p + "gate_up_proj_bias")                                                   # [E, 2F]
+        st[p + "gate_proj_bias"], st[p + "up_proj_bias"] = b[:, 0::2].contiguous(), b[:, 1::2].contiguous()
+
+
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
     out = {}
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -311,9 +338,13 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             raise ModelLoadError(f"{path}: logit soft-capping is not supported")
     elif arch.fused:
         extra = hf_phi3(c, head_dim, path)
-    else:
+    if arch.name == "gpt-oss":
+        extra = hf_gpt_oss(c, head_dim, path)
+        _gpt_oss_experts(st)
+    elif arch.name != "gemma3" and not arch.fused:
         extra = dict(zip(("rope_theta", "rope_factors", "rope_attn_factor"), hf_rope(c, head_dim, path)))
-    extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))
+    if arch.name != "gpt-oss":
+        extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))
     if arch.fused and c.get("sliding_window"):
         extra["windows"] = (int(c["sliding_window"]),) * c["num_hidden_layers"]
     cfg = ModelConfig(

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 
 from procs.inference.graphs import GraphDecoder
 from procs.inference.loader import LoadedWeights
-from procs.inference.moe import MoE
+from procs.inference.moe import MoE, swiglu_oai
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
 from procs.inference.native import QUANTIZED
 from procs.inference.packcache import PackCache
-from procs.inference.torch_attention import causal_mask as _mask, decode_attention as _decode_attention
+from procs.inference.torch_attention import causal_mask as _mask, decode_attention as _decode_attention, sink_attention
 
 
 # Exact mode runs attention on blocks of this many query rows (padded), so that a short
@@ -49,6 +49,8 @@ class Layer(NamedTuple):
     post_ffn_norm: torch.Tensor | None     # Gemma 3: RMSNorm on the MLP output
     window: int                            # sliding window (0: attends to every earlier key)
     rope: int                              # index into Llama.rope
+    bo: torch.Tensor | None = None         # gpt-oss: the attention output's bias [dim]
+    sinks: torch.Tensor | None = None      # gpt-oss: each head's sink logit, float32 [H]
 
 
 class Llama:
@@ -71,8 +73,10 @@ class Llama:
             # count is new every step (H200, torch 2.11: 38 of a 41 ms step at 4,000 tokens).
             # Flash / memory-efficient / math take any shape without planning.
             torch.backends.cuda.enable_cudnn_sdp(False)
+        # attention sinks (gpt-oss) are torch's ops only (torch_attention.sink_attention)
+        self.sinks = any(n.endswith(".sinks") for n in t)
         fits = kernels is not None and kernels.attention.takes(c.n_heads // c.n_kv_heads, c.head_dim) \
-            and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu"
+            and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu" and not self.sinks
         self.attend = kernels.attention if fits else _decode_attention
         self.prefill_attend = kernels.prefill if native_prefill and fits \
             and kernels.prefill.takes(c.n_heads // c.n_kv_heads, c.head_dim) else None
@@ -100,8 +104,11 @@ class Llama:
                 qkn = torch.cat([t[p + "q_norm"].expand(c.n_heads, -1),
                                  t[p + "k_norm"].expand(c.n_kv_heads, -1)]).contiguous()
             window = c.windows[i] if c.windows else 0
+            biases = tuple(t[p + n] for n in ("router_b", "gate_exps_b", "up_exps_b", "down_exps_b")) \
+                if p + "router_b" in t else None
+            act = swiglu_oai(c.swiglu_alpha, c.swiglu_limit) if c.act == "swiglu_oai" else None
             moe = MoE(*(t[p + n] for n in ("router", "gate_exps", "up_exps", "down_exps")),
-                      c.n_experts_used, c.moe_norm_topk) if c.n_experts else None
+                      c.n_experts_used, c.moe_norm_topk, biases, act) if c.n_experts else None
             self.layers.append(Layer(
                 t[p + "attn_norm"],
                 fused("wq", "wk", "wv"),                       # [(H+2KV)*D, dim]
@@ -116,6 +123,8 @@ class Llama:
                 t.get(p + "post_ffn_norm"),
                 window,
                 1 if window and c.rope_theta_local else 0,     # which rotary table
+                t.get(p + "bo"),
+                t[p + "sinks"].float() if p + "sinks" in t else None,
             ))
             # the layer's sources are fused copies now: dropped as we go, so a load peaks at
             # one copy of the weights plus one layer, not two copies
@@ -123,7 +132,8 @@ class Llama:
                 for name in [n for n in d if n.startswith(p)]:
                     del d[name]
         del w.tensors, w.q4, w.q8_parts
-        self.act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[c.act]
+        self.act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),
+                    "swiglu_oai": None}[c.act]      # gpt-oss's is its experts' (moe.swiglu_oai)
         self.scale = c.attn_scale or c.head_dim ** -0.5
         # rotary tables in the compute dtype: [ctx, D] (HF half-split layout); a second table
         # for windowed layers with their own base (Gemma 3), unscaled. Allocated whole (the
@@ -279,6 +289,13 @@ class Llama:
             if T > 1 and not pad_to and self.prefill_attend is not None:
                 return self.prefill_attend(q, kc[li], vc[li], pos, ly.window, self.scale)   # [T, H*D]
             ks, mask = keys(ly.window)
+            if ly.sinks is not None:
+                if pad_to:   # exact mode's blocks, as below
+                    qp = F.pad(q, (0, 0, 0, 0, 0, nq - T))
+                    return torch.cat([sink_attention(qp[a:a + EXACT_Q], kc[li, :, :K], vc[li, :, :K],
+                                                     mask[a:a + EXACT_Q], self.scale, ly.sinks)
+                                      for a in range(0, nq, EXACT_Q)])[:T]
+                return sink_attention(q, kc[li, :, ks:S], vc[li, :, ks:S], mask, self.scale, ly.sinks)
             if T == 1 and not pad_to and self.device.type == "cpu":
                 return self.attend(q[0], kc[li, :, ks:S], vc[li, :, ks:S], self.scale)  # [1, H*D]
             qh = q.transpose(0, 1).unsqueeze(0)                                # [1, H, T, D]
@@ -328,7 +345,10 @@ class Llama:
                 kc[li, :, p] = k[b]
                 vc[li, :, p] = v[b].view(KV, D)
                 ks = max(0, p - ly.window + 1) if ly.window else 0
-                if self.device.type == "cpu":
+                if ly.sinks is not None:
+                    out.append(sink_attention(q[b:b + 1], kc[li, :, ks:p + 1], vc[li, :, ks:p + 1], None,
+                                              self.scale, ly.sinks))
+                elif self.device.type == "cpu":
                     out.append(self.attend(q[b], kc[li, :, ks:p + 1], vc[li, :, ks:p + 1], self.scale))
                 else:
                     o = F.scaled_dot_product_attention(q[b].unsqueeze(1).unsqueeze(0), kc[li:li + 1, :, ks:p + 1],
@@ -355,6 +375,8 @@ class Llama:
             qk = self._rope(qk, *ropes[ly.rope])                     # q and k at once
             att = attend(li, ly, qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:])
             o = lin(ly.wo, att)                                      # [T, dim]
+            if ly.bo is not None:
+                o = o + ly.bo
             if ly.post_attn_norm is not None:
                 o = F.rms_norm(o, (c.dim,), ly.post_attn_norm, c.norm_eps)
             x = x + o

@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP (Qwen3 MoE): a router picks k of E SiLU-gated experts per token.
+"""A mixture-of-experts MLP (Qwen3 MoE, gpt-oss): a router picks k of E gated experts per token.
 
 Only the chosen experts' weights are read: the (token, choice) pairs are grouped by expert
 and each expert that some token chose runs once on its tokens' rows, so a decode step reads
@@ -17,20 +17,40 @@ import torch.nn.functional as F
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def swiglu_oai(alpha: float, limit: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """gpt-oss's gated activation: gate clamped above at limit, up to [-limit, limit],
+    gate * sigmoid(alpha * gate) * (up + 1), as transformers' GptOssExperts."""
+    def act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g = g.clamp(max=limit)
+        return g * torch.sigmoid(g * alpha) * (u.clamp(-limit, limit) + 1)
+    return act
+
+
 class MoE:
     def __init__(self, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 k: int, norm_topk: bool):
-        """router [E, dim]; gate and up [E, ffn, dim]; down [E, dim, ffn]."""
+                 k: int, norm_topk: bool, biases: tuple | None = None, act=None):
+        """router [E, dim]; gate and up [E, ffn, dim]; down [E, dim, ffn]; biases (gpt-oss):
+        (router [E], gate [E, ffn], up [E, ffn], down [E, dim]) or None; act(gate, up): the
+        gated activation (default SiLU(gate) * up)."""
         self.router = router
         self.gate_up = torch.cat([gate, up], dim=1).contiguous()     # [E, 2*ffn, dim]
         self.down = down.contiguous()
         self.k, self.norm_topk = k, norm_topk
+        self.router_b = self.gate_up_b = self.down_b = None
+        if biases is not None:
+            self.router_b = biases[0]
+            self.gate_up_b = torch.cat([biases[1], biases[2]], dim=1).contiguous()   # [E, 2*ffn]
+            self.down_b = biases[3]
+        self.act = act or (lambda g, u: F.silu(g) * u)
 
     def __call__(self, h: torch.Tensor, mm: MatMul) -> torch.Tensor:
         T, dim = h.shape
         # softmax over all E in f32, then the top k; their weights renormalized or not, as
         # transformers' Qwen3MoeTopKRouter and llama.cpp's build_moe_ffn
-        probs = torch.softmax(mm(h, self.router).float(), dim=-1)              # [T, E]
+        logits = mm(h, self.router)
+        if self.router_b is not None:
+            logits = logits + self.router_b
+        probs = torch.softmax(logits.float(), dim=-1)                          # [T, E]
         weight, chosen = probs.topk(self.k, dim=-1)                            # [T, k]
         if self.norm_topk:
             weight = weight / weight.sum(dim=-1, keepdim=True)
@@ -42,8 +62,11 @@ class MoE:
         for e, n in zip(experts.tolist(), counts.tolist()):
             pairs = order[start:start + n]
             start += n
-            g, u = mm(h[pairs // self.k], self.gate_up[e]).chunk(2, dim=-1)
-            out[pairs] = mm(F.silu(g) * u, self.down[e])
+            gu = mm(h[pairs // self.k], self.gate_up[e])
+            if self.gate_up_b is not None:
+                gu = gu + self.gate_up_b[e]
+            o = mm(self.act(*gu.chunk(2, dim=-1)), self.down[e])
+            out[pairs] = o if self.down_b is None else o + self.down_b[e]
         out, weight = out.view(T, self.k, dim), weight.to(h.dtype)
         acc = out[:, 0] * weight[:, :1]     # elementwise, choice by choice: no reduction kernel
         for j in range(1, self.k):          # whose order could depend on T

@@ -39,6 +39,35 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.bmm(p, v).view(1, H * D)
 
 
+SINK_BLOCK = 1 << 24    # scores (f32) held at once by sink_attention: 64 MB
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, a learned sink that takes a
+    share of the weight and gives no value (gpt-oss): q [T, H, D], k and v [KV, S, D], mask
+    additive [T, S] or None, sinks float32 [H] -> [T, H*D]. No fused kernel takes the extra
+    logit, so the scores are a tensor of their own, in blocks of query rows that hold at
+    most SINK_BLOCK of them; softmax in f32."""
+    T, H, D = q.shape
+    KV, S = k.shape[0], k.shape[1]
+    G = H // KV
+    rows = max(1, SINK_BLOCK // (H * max(S, 1)))
+    if T > rows:
+        return torch.cat([sink_attention(q[a:a + rows], k, v, None if mask is None else mask[a:a + rows],
+                                         scale, sinks) for a in range(0, T, rows)])
+    qg = q.reshape(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
+    s = (torch.bmm(qg, k.transpose(1, 2)).float() * scale).view(KV, G, T, S)
+    if mask is not None:
+        s = s + mask
+    sink = sinks.view(KV, G, 1, 1)
+    top = torch.maximum(s.amax(-1, keepdim=True), sink)
+    e = torch.exp(s - top)
+    p = e / (e.sum(-1, keepdim=True) + torch.exp(sink - top))
+    o = torch.bmm(p.to(v.dtype).view(KV, G * T, S), v)                          # [KV, G*T, D]
+    return o.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                       fused: bool) -> torch.Tensor:
     """B sequences' rows against their keys, a K/V head's G query heads as one block of rows:

@@ -164,6 +164,50 @@ def test_qwen2_pre_tokenizer_matches_tokenizer_json(tmp_path):
     assert ours.encode("123").ids == [tokens.index(c) for c in "123"]
 
 
+def _o200k_pattern() -> str:
+    """tiktoken's own o200k pattern (gpt-oss's o200k_harmony uses it), read without fetching
+    the vocabulary its constructor would download."""
+    tiktoken_ext = pytest.importorskip("tiktoken_ext.openai_public")
+    real = tiktoken_ext.load_tiktoken_bpe
+    tiktoken_ext.load_tiktoken_bpe = lambda *a, **k: {}
+    try:
+        return tiktoken_ext.o200k_harmony()["pat_str"]
+    finally:
+        tiktoken_ext.load_tiktoken_bpe = real
+
+
+def test_gpt4o_pre_tokenizer_splits_as_tiktoken(tmp_path):
+    """A GGUF with tokenizer.ggml.pre "gpt-4o" (gpt-oss) splits text where tiktoken's o200k
+    pattern does (the regex module, as tiktoken's Python reference): camel case apart,
+    contractions on their word, digits by three, slashes and newlines after punctuation."""
+    gguf = pytest.importorskip("gguf")
+    regex = pytest.importorskip("regex")
+    from common.tokenizer import _byte_decoder
+    chars = sorted(_byte_decoder(), key=_byte_decoder().get)
+    path = str(tmp_path / "o200k.gguf")
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(chars)
+    w.add_token_types([1] * len(chars))
+    w.add_token_merges([])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    tok = load_text(path).tokenizer
+    pattern = regex.compile(_o200k_pattern())
+    byte_of = _byte_decoder()
+    texts = ["HelloWorld's IT'S CamelCASEWord x 1234567 a/b//\n\nc", "ünïcödé ÜBER straße 42.5%",
+             "def f(x):\n    return x  # ok\r\n\t\tdone  ", "日本語のテキスト, 中文!", "'s 's'S  \n \n"]
+    for text in texts:
+        want = pattern.findall(text)
+        got = [bytes(byte_of[c] for c in piece).decode("utf-8")
+               for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+        assert got == want, text
+        assert "".join(want) == text
+    assert pattern.findall("HelloWorld") == ["Hello", "World"]   # what tells it from llama3's
+
+
 def test_piece_bytes_of_a_tuple_is_remembered_and_bounded(text_model):
     """The resident sessions' ids (tuples) are asked for their bytes at every plan: the same
     tuple gives the same bytes object back; a list, or another tuple of the same ids, is

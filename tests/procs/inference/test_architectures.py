@@ -51,6 +51,11 @@ PHI_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_
                 "original_max_position_embeddings": 32,
                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
 
+# gpt-oss's YaRN (factor 32 over 4096 positions, scaled down): truncate false ends the ramp
+# at dim 1.41, not 2
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 32}
+
 CASES = {   # name: (transformers config class, its arguments, GGUF architecture)
     "llama": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False), "llama"),
     "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3, tie_word_embeddings=True), "llama"),
@@ -73,6 +78,12 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
     # attention factor (sqrt(1 + ln 4 / ln 32))
     "phi4mini": ("Phi3Config", dict(rope_parameters=PHI_LONGROPE, original_max_position_embeddings=32,
                                     tie_word_embeddings=True), "phi3"),
+    # biases everywhere, a sink logit per head, every other layer over a window of 8, YaRN
+    # unrounded (truncate false), four experts with biases, two chosen, clamped SwiGLU
+    # (_hf_model widens the gates so that the clamps bite)
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                                     sliding_window=8, rope_parameters=GPT_OSS_YARN, tie_word_embeddings=False),
+                "gpt-oss"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -92,6 +103,10 @@ def _hf_model(name: str):
         for pname, p in m.named_parameters():
             if "norm" in pname:   # Gemma scales by (1 + w): 0.3 * randn keeps it near 1 too
                 p.copy_((0 if name == "gemma3" else 1) + 0.3 * torch.randn_like(p))
+            elif pname.endswith("gate_up_proj"):   # gpt-oss: gates and ups past its clamps (+-7)
+                p.normal_(0.0, 0.6)
+            elif pname.endswith("sinks"):          # sinks that take a real share of the softmax
+                p.normal_(1.0, 1.0)
             else:
                 p.normal_(0.0, 0.15)
     return m
@@ -121,9 +136,10 @@ def _llamacpp_rope_freqs(rp: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _write_gguf(m, path: str, arch: str, qtype=None) -> None:
+def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None:
     """As llama.cpp's converter writes it; `qtype` (a GGMLQuantizationType the gguf package
-    can quantize) stores every 2-D weight quantized, norms and biases in F32."""
+    can quantize) stores every 2-D weight quantized, norms and biases in F32;
+    `experts_qtype` the stacked experts' weights."""
     c = m.config
     head_dim = c.head_dim
     w = gguf.GGUFWriter(path, arch)
@@ -161,6 +177,20 @@ def _write_gguf(m, path: str, arch: str, qtype=None) -> None:
             if rp.get(key) is not None:
                 add(rp[key])
     state = m.state_dict()
+    if arch == "gpt-oss":   # as the converter's GptOssModel: gate and up apart, [E, rows, cols]
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.intermediate_size)
+        w.add_sliding_window(c.sliding_window)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            gu, b = state.pop(p + "mlp.experts.gate_up_proj"), state.pop(p + "mlp.experts.gate_up_proj_bias")
+            state[p + "mlp.experts.gate_proj.weight"] = gu[:, :, 0::2].transpose(1, 2)
+            state[p + "mlp.experts.up_proj.weight"] = gu[:, :, 1::2].transpose(1, 2)
+            state[p + "mlp.experts.down_proj.weight"] = state.pop(p + "mlp.experts.down_proj").transpose(1, 2)
+            state[p + "mlp.experts.gate_proj.bias"], state[p + "mlp.experts.up_proj.bias"] = b[:, 0::2], b[:, 1::2]
+            state[p + "mlp.experts.down_proj.bias"] = state.pop(p + "mlp.experts.down_proj_bias")
+            state[p + "self_attn.sinks.weight"] = state.pop(p + "self_attn.sinks")
     if arch == "qwen3moe":   # the converter's stacked experts: [E, rows, cols], gate and up apart
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
@@ -169,7 +199,7 @@ def _write_gguf(m, path: str, arch: str, qtype=None) -> None:
             p = f"model.layers.{i}.mlp.experts."
             state[p + "gate_proj.weight"], state[p + "up_proj.weight"] = state.pop(p + "gate_up_proj").chunk(2, dim=1)
             state[p + "down_proj.weight"] = state.pop(p + "down_proj")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], c.num_hidden_layers)
     if rp.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llamacpp_rope_freqs(rp, head_dim))
     for hf_name, t in state.items():
@@ -181,8 +211,10 @@ def _write_gguf(m, path: str, arch: str, qtype=None) -> None:
         if arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name):
             a = _permute(a, c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads)
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if qtype is not None and a.ndim == 2:
-            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+        # weights only: llama.cpp's quantizer keeps biases (gpt-oss's experts' are 2-D) in F32
+        q = None if not gname.endswith(".weight") else experts_qtype if a.ndim == 3 else qtype if a.ndim == 2 else None
+        if q is not None:
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), q), raw_dtype=q)
         else:
             w.add_tensor(gname, np.ascontiguousarray(a))
     w.write_header_to_file()
@@ -263,7 +295,7 @@ def test_parity_with_transformers(case, kernels):
     ref_logits, ref_toks = _reference(m, ids)
     model, logits, toks = _ours(hf_dir, ids, kernels)
     gmodel, glogits, gtoks = _ours(gguf_path, ids, kernels)
-    assert (model.decoder is not None) == (kernels == "native" and name != "qwen3moe")
+    assert (model.decoder is not None) == (kernels == "native" and name not in ("qwen3moe", "gpt_oss"))
     d_hf = (logits - ref_logits).abs().max().item()
     d_gguf = (glogits - logits).abs().max().item()
     print(f"\n[{name}] |logits| max {ref_logits.abs().max().item():.3g}; HF dir vs transformers "
@@ -281,7 +313,7 @@ def test_parity_with_transformers(case, kernels):
     assert model.fingerprint == gmodel.fingerprint   # one model, whichever file it came from
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3", "gpt_oss"])
 def test_exact_mode_holds_with_biases_and_qk_norms(build, name):
     """Exact mode's promise (bit-identical prefill rows however a prompt is split between a
     restored prefix and the prefill) holds with the row-wise ops these architectures add."""
