@@ -104,6 +104,7 @@ class Delta(msgspec.Struct, tag="delta", frozen=True):
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    reasoning: str = ""                 # a reasoning model's thinking (Harmony's analysis channel)
 
 
 class Finished(msgspec.Struct, tag="finished", frozen=True):

@@ -44,7 +44,10 @@ _LLAMA3_LIKE = {"llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"}
 
 # end-of-turn markers a chat model may emit instead of its declared EOS
 _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>",
-              "<|end|>", "</s>")
+              "<|end|>", "</s>", "<|return|>", "<|call|>")
+# Harmony (gpt-oss) ends an answer at <|return|> or <|call|>; its <|end|> ends one message of
+# several (reasoning, then the answer or a call): no stop there (llama.cpp's rule alike)
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 
 class TokenizerError(ValueError):
@@ -179,9 +182,14 @@ def _compile_template(src: str) -> jinja2.Template:
 
 def _finish(tok: Tokenizer, pieces, template, bos, eos, add_bos) -> TextModel:
     stop = {eos} if eos is not None else set()
+    texts = {}
     for i, p in enumerate(pieces):
-        if p.decode("utf-8", "replace") in _EOG_TEXTS:
+        t = p.decode("utf-8", "replace")
+        if t in _EOG_TEXTS:
             stop.add(i)
+            texts[t] = i
+    if all(t in texts for t in _HARMONY_ENDS) and "<|end|>" in texts:
+        stop.discard(texts["<|end|>"])
     return TextModel(tok, pieces, template, bos, eos, add_bos, stop)
 
 

@@ -98,9 +98,11 @@ class Collected:
         self.legacy = LegacyLogprobs() if legacy else None
         self.legacy_parts: list[dict] = []
         self.calls: list = []
+        self.reasoning: list[str] = []
 
     def add(self, ev: Delta, want_logprobs: bool) -> None:
         self.text.append(ev.text)
+        self.reasoning.append(getattr(ev, "reasoning", ""))
         self.calls.extend(delta_tool_calls(ev))
         if want_logprobs and ev.logprobs:
             if self.legacy is not None:
@@ -115,6 +117,9 @@ def chat_completion(cid: str, created: int, model: str, col: Collected, want_log
     message: dict = {"role": "assistant", "content": text if text or not col.calls else None}
     if col.calls:
         message["tool_calls"] = tool_calls(col.calls)
+    reasoning = "".join(col.reasoning)
+    if reasoning:      # as llama.cpp's and vLLM's servers return a reasoning model's thinking
+        message["reasoning_content"] = reasoning
     message["refusal"] = None
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message,
@@ -167,11 +172,14 @@ class Chunks:
         """The chunks of one event: its text and logprobs with the first call's pieces, then
         one chunk for each further call."""
         calls = stream_tool_calls(delta_tool_calls(ev))
-        if not ev.text and not ev.logprobs and not calls:
+        reasoning = getattr(ev, "reasoning", "") if self.chat else ""
+        if not ev.text and not ev.logprobs and not calls and not reasoning:
             return []
         delta: dict = {}
         if self.chat:
-            if ev.text or not calls:
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if ev.text or not (calls or reasoning):
                 delta["content"] = ev.text
             if calls:
                 delta["tool_calls"] = calls[0]

@@ -12,7 +12,7 @@ import zmq
 
 from common import messages as m
 from common import metrics
-from procs.renderer import tools
+from procs.renderer import harmony, tools
 from procs.renderer.prompt import TextStream, token_logprob
 
 
@@ -34,6 +34,7 @@ class Pending:
     n_generated: int = 0
     stream: TextStream | None = None
     calls: tools.CallParser | None = None   # set when generated tool calls are parsed
+    harmony: harmony.Channels | None = None  # a Harmony model's chat answer (its calls too)
     finished: bool = False          # the web has its Finished/Failed; ignore further tokens
     constraint: m.Constraint | None = None
     # set when dispatched to inference
@@ -71,7 +72,9 @@ class Answers:
         lps = ()
         if p.req.logprobs:
             lps = (token_logprob(self.text, ev.id, ev.logprob, ev.top),)
-        pieces = []
+        pieces, reasoning = [], ""
+        if p.harmony is not None:
+            reasoning, text, pieces = p.harmony.push(text)
         if p.calls is not None:
             text, pieces = p.calls.push(text)
             if p.calls.done:      # a call was closed and the model went on with something else
@@ -86,14 +89,16 @@ class Answers:
                 self.to_inference(m.CancelJob(rid=p.req.rid, keep=p.keep))
                 return
         if p.stream.stopped:   # a stop string: end here, and stop the model
-            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces),
+                                         reasoning=reasoning))
             self.finish(p, "stop")
             if p.calls is None:    # the session keeps the tokens of the text the client got:
                 p.keep = p.n_prompt + sum(1 for b in p.gen_bytes if b <= p.stream.sent)   # a prefix
             self.to_inference(m.CancelJob(rid=p.req.rid, keep=p.keep))      # of the next turn
             return
-        if text or lps or pieces:
-            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces)))
+        if text or lps or pieces or reasoning:
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=text, logprobs=lps, tool_calls=tuple(pieces),
+                                         reasoning=reasoning))
         if ev.finish:
             self.finish(p, ev.finish)
 
@@ -116,7 +121,13 @@ class Answers:
 
     def finish(self, p: Pending, reason: str) -> None:
         tail = p.stream.flush() if p.stream else ""
-        pieces = []
+        pieces, reasoning = [], ""
+        if p.harmony is not None:
+            r1, tail, pieces = p.harmony.push(tail)
+            r2, c2, p2 = p.harmony.flush()
+            reasoning, tail, pieces = r1 + r2, tail + c2, pieces + p2
+            if p.harmony.calls and reason != "length":
+                reason = "tool_calls"
         if p.calls is not None:
             tail, pieces = p.calls.push(tail)
             tail += p.calls.flush()
@@ -125,8 +136,8 @@ class Answers:
                     reason = "tool_calls"
                 self.remember_calls(p.calls)
             pieces += p.calls.cut_pieces()      # a cut call is never remembered: its block has no end to replay
-        if tail or pieces:
-            self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces)))
+        if tail or pieces or reasoning:
+            self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces), reasoning=reasoning))
         usage = m.Usage(prompt_tokens=p.n_prompt, completion_tokens=p.n_generated, cached_tokens=p.cached)
         metrics.M.prompt_tokens.inc(usage.prompt_tokens)
         metrics.M.cached_tokens.inc(usage.cached_tokens)

@@ -12,7 +12,7 @@ import msgspec
 
 from common import messages as m
 from common.policy import common_prefix
-from procs.renderer import grammar, tools, toolxml
+from procs.renderer import harmony, grammar, tools, toolxml
 from procs.renderer.answer import Pending
 from procs.renderer.plan import plan_job
 from procs.renderer.prompt import TextStream, tool_choice
@@ -82,7 +82,9 @@ class Dispatch:
         sampling = msgspec.structs.replace(p.req.sampling, max_tokens=budget,
                                            stop_ids=tuple(sorted(self.text.stop_ids)), vocab=self.text.vocab_size)
         p.stream = TextStream(self.text, p.req.stop)
-        if p.req.tools:
+        if self.call_format.kind == "harmony" and p.req.kind == "chat":   # channels, calls included
+            p.harmony = harmony.Channels(self.call_format.new_id)
+        elif p.req.tools:
             choice = tool_choice(p.req)
             if choice == "none":
                 sampling = self.no_calls(sampling)

@@ -17,6 +17,8 @@ Families (the format is recognised in the GGUF's own template text, as llama.cpp
   call ids of 9 letters and digits (the templates refuse others).
 - mistral_args (Mistral Small 3.2, Devstral, tokenizer v11+): `[TOOL_CALLS]name[ARGS]{...}`
   per call.
+- harmony (gpt-oss): reasoning, answer and calls as channels of messages, in its own special
+  tokens (procs/renderer/harmony.py); calls are the model's own, never constrained.
 - qwen_xml (Qwen3-Coder, later Qwen templates): `<tool_call>\n<function=NAME>\n` then
   `<parameter=KEY>\nVALUE\n</parameter>\n` per argument, `</function>\n</tool_call>`; a
   string value as it is, any other as JSON (procs/renderer/toolxml.py).
@@ -116,6 +118,9 @@ MISTRAL_ARGS = Format("mistral_args", native=True, trigger="[TOOL_CALLS]", head_
 QWEN_XML = Format("qwen_xml", native=True, trigger="<tool_call>", head_pre="<tool_call>\n",
                   tail="</function>\n</tool_call>", sep="\n", close="</tool_call>", kind="xml",
                   value_open="\n", value_close="\n</parameter>\n")
+# OpenAI's Harmony (gpt-oss): calls are messages to `functions.NAME` in the model's own special
+# tokens, read by procs/renderer/harmony.py, never constrained (no opener, no grammar)
+HARMONY = Format("harmony", native=True, trigger="to=functions.", kind="harmony")
 # call bodies written as XML of another shape (GLM's <arg_key>), not parsed here
 XML_CALLS = ("<function=", "<parameter=", "<arg_key>")
 
@@ -125,6 +130,8 @@ def detect(template: str | None) -> Format:
     """The format a chat template speaks. A template that never reads `tools` cannot render
     them: the generic format, whatever tokens it mentions."""
     src = template or ""
+    if "<|channel|>" in src and "<|message|>" in src and "<|start|>" in src:
+        return HARMONY
     if "tools" not in src:
         return GENERIC
     if "[TOOL_CALLS]" in src:

@@ -1,0 +1,108 @@
+"""OpenAI's Harmony answers (gpt-oss): the text generated after the prompt's `<|start|>assistant`
+is a sequence of messages, each a header, `<|message|>`, a body, and `<|end|>` before the
+next one (`<|start|>assistant` + header); the answer ends at `<|return|>` or, for a tool call,
+`<|call|>` (both stop tokens, never in the text).
+
+A header names the message's channel (`<|channel|>analysis`, `final`, `commentary`) and, for a
+call, its recipient (`to=functions.NAME`, before or after the channel; `<|constrain|>json` or
+a bare `json` names the body's type). Routed: analysis -> reasoning; final, and commentary
+with no recipient (a preamble the user sees) -> content; a body sent to a function -> that
+call's arguments, streamed as they grow. Calls are not constrained by a grammar: the model
+writes them in its own syntax, in its own special tokens.
+"""
+from __future__ import annotations
+
+import re
+
+from common import messages as m
+
+MESSAGE, END = "<|message|>", "<|end|>"
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+_TO = re.compile(r"\bto=([^\s<]+)")
+
+
+def detect(template: str | None) -> bool:
+    """A chat template that renders Harmony messages."""
+    src = template or ""
+    return "<|channel|>" in src and "<|message|>" in src and "<|start|>" in src
+
+
+def _held(buf: str, marker: str) -> int:
+    """How many chars at the end of buf could begin marker (held back until known)."""
+    for k in range(min(len(marker) - 1, len(buf)), 0, -1):
+        if buf.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class Channels:
+    """Splits a Harmony answer incrementally into reasoning, content and tool calls."""
+
+    def __init__(self, new_id):
+        self.new_id = new_id            # () -> a call id
+        self.buf = ""
+        self.in_header = True
+        self.channel = ""
+        self.to = ""                    # the current message's recipient, "" for none
+        self.calls: list[list[str]] = []   # [id, name, arguments]
+        self.messages = 0               # message bodies begun
+
+    def push(self, text: str) -> tuple[str, str, list[m.ToolCallDelta]]:
+        """(reasoning, content, call pieces) of the text so far that is known."""
+        self.buf += text
+        reasoning, content, pieces = [], [], []
+        while self.buf:
+            if self.in_header:
+                i = self.buf.find(MESSAGE)
+                if i < 0:
+                    break
+                self._header(self.buf[:i])
+                self.buf = self.buf[i + len(MESSAGE):]
+                self.in_header = False
+                self.messages += 1
+                if self.to:
+                    self.calls.append([self.new_id(), self.to, ""])
+                    cid, name, _ = self.calls[-1]
+                    pieces.append(m.ToolCallDelta(index=len(self.calls) - 1, id=cid, name=name, arguments=""))
+                continue
+            i = self.buf.find(END)
+            if i >= 0:
+                body, self.buf = self.buf[:i], self.buf[i + len(END):]
+            else:
+                cut = len(self.buf) - _held(self.buf, END)
+                body, self.buf = self.buf[:cut], self.buf[cut:]
+            self._route(body, reasoning, content, pieces)
+            if i < 0:
+                break
+            self.in_header = True
+        return "".join(reasoning), "".join(content), pieces
+
+    def flush(self) -> tuple[str, str, list[m.ToolCallDelta]]:
+        """The rest, at the end of the answer: a body's held-back tail. A header never
+        finished is dropped (it carries no text for anyone), unless no message began at all:
+        a model that did not write Harmony (a template given to another model) answered in
+        plain text, which is content."""
+        reasoning, content, pieces = [], [], []
+        if not self.in_header:
+            self._route(self.buf, reasoning, content, pieces)
+        elif not self.messages and "<|channel|>" not in self.buf:
+            content.append(self.buf)
+        self.buf = ""
+        return "".join(reasoning), "".join(content), pieces
+
+    def _header(self, head: str) -> None:
+        mc, mt = _CHANNEL.search(head), _TO.search(head)
+        self.channel = mc.group(1) if mc else ""
+        to = mt.group(1) if mt else ""
+        self.to = to[len("functions."):] if to.startswith("functions.") else to
+
+    def _route(self, body: str, reasoning: list, content: list, pieces: list) -> None:
+        if not body:
+            return
+        if self.to:
+            self.calls[-1][2] += body
+            pieces.append(m.ToolCallDelta(index=len(self.calls) - 1, arguments=body))
+        elif self.channel == "analysis":
+            reasoning.append(body)
+        else:
+            content.append(body)

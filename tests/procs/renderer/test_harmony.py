@@ -1,0 +1,151 @@
+"""Harmony answers (gpt-oss) split into reasoning, content and calls (procs/renderer/harmony.py),
+the template's format recognised, the stop tokens a Harmony vocabulary gets, and the chat
+shapes that carry the reasoning. The answers are written as gpt-oss writes them (OpenAI's
+Harmony format: header, <|message|>, body, <|end|> between messages; <|return|> and <|call|>
+are stop tokens, never in the text)."""
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from common import messages as m
+from procs.frontend.shape import Chunks, Collected, chat_completion
+from procs.renderer import harmony, toolfmt
+
+TEMPLATE = (Path(__file__).resolve().parents[2] / "data" / "templates" / "harmony.jinja").read_text()
+THINK = "<|channel|>analysis<|message|>The user wants the weather; call get_weather.<|end|>"
+CALL_A = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}'
+CALL_B = '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Oslo"}'
+FINAL = "<|start|>assistant<|channel|>final<|message|>It is 12 C in Oslo."
+SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
+
+
+def _tokens(text: str) -> list[str]:
+    """The text as a Harmony model's tokens arrive: special tokens whole, the rest in short
+    pieces."""
+    out, i = [], 0
+    while i < len(text):
+        sp = next((s for s in SPECIAL if text.startswith(s, i)), None)
+        out.append(sp or text[i:i + 3])
+        i += len(out[-1])
+    return out
+
+
+def _run(pieces) -> tuple[str, str, list[m.ToolCallDelta], harmony.Channels]:
+    ids = (f"call_{i}" for i in itertools.count())
+    ch = harmony.Channels(lambda: next(ids))
+    r, c, calls = [], [], []
+    for piece in pieces:
+        a, b, p = ch.push(piece)
+        r.append(a), c.append(b), calls.extend(p)
+    a, b, p = ch.flush()
+    r.append(a), c.append(b), calls.extend(p)
+    return "".join(r), "".join(c), calls, ch
+
+
+@pytest.mark.parametrize("feed", ["whole", "tokens", "chars"])
+def test_reasoning_then_answer(feed):
+    text = THINK + FINAL
+    pieces = {"whole": [text], "tokens": _tokens(text), "chars": list(text)}[feed]
+    reasoning, content, calls, _ = _run(pieces)
+    assert reasoning == "The user wants the weather; call get_weather."
+    assert content == "It is 12 C in Oslo."
+    assert calls == []
+
+
+@pytest.mark.parametrize("call", [CALL_A, CALL_B], ids=["channel-first", "recipient-first"])
+@pytest.mark.parametrize("feed", ["tokens", "chars"])
+def test_a_call_in_either_header_order(call, feed):
+    text = THINK + call
+    reasoning, content, pieces, ch = _run(_tokens(text) if feed == "tokens" else list(text))
+    assert reasoning.startswith("The user wants") and content == ""
+    assert pieces[0] == m.ToolCallDelta(index=0, id="call_0", name="get_weather", arguments="")
+    assert "".join(p.arguments for p in pieces) == '{"city":"Oslo"}'
+    assert all(p.index == 0 for p in pieces) and not any(p.id for p in pieces[1:])
+    assert ch.calls == [["call_0", "get_weather", '{"city":"Oslo"}']]
+
+
+def test_a_preamble_is_content_and_calls_are_numbered():
+    text = ("<|channel|>commentary<|message|>Checking two cities.<|end|>"
+            + CALL_A + "<|end|>" + CALL_B.replace("Oslo", "Rome"))
+    reasoning, content, pieces, ch = _run(_tokens(text))
+    assert reasoning == "" and content == "Checking two cities."
+    assert [c[1:] for c in ch.calls] == [["get_weather", '{"city":"Oslo"}'], ["get_weather", '{"city":"Rome"}']]
+    assert [p.index for p in pieces if p.id] == [0, 1]
+
+
+def test_a_body_cut_by_the_limit_and_a_partial_end_marker():
+    reasoning, content, _, _ = _run(_tokens("<|channel|>analysis<|message|>Thinking about <|en"))
+    assert reasoning == "Thinking about <|en"      # not an end marker after all: the text itself
+    _, content, _, ch = _run(_tokens("<|channel|>final<|message|>Half an ans"))
+    assert content == "Half an ans"
+    _, content, _, _ = _run(_tokens("<|channel|>fin"))   # a header never finished carries nothing
+    assert content == ""
+
+
+def test_a_model_that_writes_no_harmony_answers_in_content():
+    """A Harmony template given to another model: its plain text is the content."""
+    _, content, calls, _ = _run(list("Hello there, how can I help?"))
+    assert content == "Hello there, how can I help?" and calls == []
+
+
+def test_the_format_is_recognised_and_never_constrained():
+    assert harmony.detect(TEMPLATE) and toolfmt.detect(TEMPLATE) is toolfmt.HARMONY
+    assert toolfmt.HARMONY.native and toolfmt.HARMONY.opener("auto") == ""
+    for other in ("hermes", "llama3", "mistral", "qwen_xml"):
+        src = (Path(__file__).resolve().parents[2] / "data" / "templates" / f"{other}.jinja").read_text()
+        assert not harmony.detect(src) and toolfmt.detect(src) is not toolfmt.HARMONY
+
+
+def _vocab_model(tmp_path, extra: list[str]):
+    gguf = pytest.importorskip("gguf")
+    from common.models import load_text
+    from common.tokenizer import _byte_decoder
+    chars = sorted(_byte_decoder(), key=_byte_decoder().get)
+    tokens = chars + extra
+    path = str(tmp_path / f"v{len(extra)}.gguf")
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(chars) + [3] * len(extra))
+    w.add_token_merges([])
+    w.add_eos_token_id(len(chars) + extra.index("<|return|>") if "<|return|>" in extra else len(chars))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return load_text(path), len(chars)
+
+
+def test_a_harmony_vocabulary_stops_at_return_and_call_not_end(tmp_path):
+    """<|end|> closes one message of several (the reasoning before the answer): with both
+    <|return|> and <|call|> in the vocabulary it is no stop token (llama.cpp's rule); a
+    vocabulary without them (Phi-3's) keeps <|end|> as its end of turn."""
+    names = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+    text, base = _vocab_model(tmp_path, names)
+    ids = {n: base + i for i, n in enumerate(names)}
+    assert {ids["<|return|>"], ids["<|call|>"]} <= text.stop_ids and ids["<|end|>"] not in text.stop_ids
+    phi, base = _vocab_model(tmp_path, ["<|end|>", "<|endoftext|>"])
+    assert base in phi.stop_ids
+
+
+def test_chat_shapes_carry_the_reasoning():
+    col = Collected(legacy=False)
+    for ev in (m.Delta(rid="r", reasoning="thinking "), m.Delta(rid="r", reasoning="more"),
+               m.Delta(rid="r", text="Answer.")):
+        col.add(ev, False)
+    u = m.Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=0)
+    msg = chat_completion("c", 0, "m", col, False, "stop", u)["choices"][0]["message"]
+    assert msg["reasoning_content"] == "thinking more" and msg["content"] == "Answer."
+    plain = Collected(legacy=False)
+    plain.add(m.Delta(rid="r", text="x"), False)
+    assert "reasoning_content" not in chat_completion("c", 0, "m", plain, False, "stop", u)["choices"][0]["message"]
+    ch = Chunks("chat", "c", 0, "m", False, False)
+    [chunk] = ch.delta(m.Delta(rid="r", reasoning="hm"))
+    assert chunk["choices"][0]["delta"] == {"reasoning_content": "hm"}
+    [chunk] = ch.delta(m.Delta(rid="r", text="ok"))
+    assert chunk["choices"][0]["delta"] == {"content": "ok"}
+    assert json.dumps(chunk)
