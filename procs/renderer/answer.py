@@ -69,6 +69,8 @@ class Answers:
             self.first_token_stages(p, ev, now)
         is_stop_tok = ev.id in self.text.stop_ids
         text = "" if is_stop_tok else p.stream.push(ev.id)
+        if is_stop_tok and p.harmony is not None:     # <|call|> or <|return|>: replay needs which
+            p.harmony.stop = self.text.pieces[ev.id].decode("utf-8", "replace")
         lps = ()
         if p.req.logprobs:
             lps = (token_logprob(self.text, ev.id, ev.logprob, ev.top),)
@@ -128,13 +130,16 @@ class Answers:
             reasoning, tail, pieces = r1 + r2, tail + c2, pieces + p2
             if p.harmony.calls and reason != "length":
                 reason = "tool_calls"
+            block = p.harmony.block()
+            if block is not None:
+                self.remember_calls([c[0] for c in p.harmony.calls], block)
         if p.calls is not None:
             tail, pieces = p.calls.push(tail)
             tail += p.calls.flush()
             if p.calls.calls:
                 if reason != "length" or p.calls.cut is None:
                     reason = "tool_calls"
-                self.remember_calls(p.calls)
+                self.remember_calls([c[0] for c in p.calls.calls], p.calls.block)
             pieces += p.calls.cut_pieces()      # a cut call is never remembered: its block has no end to replay
         if tail or pieces or reasoning:
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces), reasoning=reasoning))
@@ -145,11 +150,12 @@ class Answers:
         self.to_web(p.route, m.Finished(rid=p.req.rid, finish_reason=reason, usage=usage))
         p.finished = True
 
-    def remember_calls(self, parser: tools.CallParser) -> None:
+    def remember_calls(self, ids: list[str], text: str) -> None:
+        """The calls' ids -> the exact text of their block (tools.ToolMemory, and the
+        persister's KTM sections)."""
         if self.tool_memory is None:
             return
-        ids = [c[0] for c in parser.calls]
-        block = parser.block.encode("utf-8", "surrogateescape")
+        block = text.encode("utf-8", "surrogateescape")
         self.tool_memory.remember(ids, block)
         if self.s.kv_disk_dir:
             try:

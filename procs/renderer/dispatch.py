@@ -104,5 +104,5 @@ class Dispatch:
         self.to_inference(m.Job(rid=p.req.rid, ids=tuple(pl.ids), reuse=pl.reuse, sampling=sampling,
                                 restore=r.sha1 if r else "", restore_tokens=r.n_tokens if r else 0,
                                 suffix=pl.suffix, saves=pl.saves, evict=pl.evict,
-                                run_last=p.calls is not None, constraint=p.constraint,
+                                run_last=p.calls is not None or p.harmony is not None, constraint=p.constraint,
                                 session=pl.session, source=pl.source, unsaved=pl.unsaved))

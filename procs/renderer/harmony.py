@@ -13,10 +13,12 @@ writes them in its own syntax, in its own special tokens.
 from __future__ import annotations
 
 import re
+import secrets
 
 from common import messages as m
 
-MESSAGE, END = "<|message|>", "<|end|>"
+MESSAGE, END, START, CALL = "<|message|>", "<|end|>", "<|start|>", "<|call|>"
+_RUN = secrets.token_hex(8)      # markers no client text holds
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 _TO = re.compile(r"\bto=([^\s<]+)")
 
@@ -25,6 +27,25 @@ def detect(template: str | None) -> bool:
     """A chat template that renders Harmony messages."""
     src = template or ""
     return "<|channel|>" in src and "<|message|>" in src and "<|start|>" in src
+
+
+def marker(k: int) -> str:
+    """The arguments a remembered call is rendered with, found again by replay()."""
+    return f"ricordo-replay-{_RUN}-{k}"
+
+
+def replay(rendered: str, replays: dict[str, str]) -> str | None:
+    """The prompt with each remembered call's message (from its `<|start|>` to its `<|call|>`,
+    the template's own rendering around the marker) replaced by `<|start|>assistant` + the
+    answer as sampled: the bytes the live session holds. None when a marker is not found
+    whole (a template that renders calls otherwise): the caller renders from JSON."""
+    for mark, sampled in replays.items():
+        i = rendered.find(mark)
+        a, b = rendered.rfind(START, 0, i), rendered.find(CALL, i)
+        if i < 0 or a < 0 or b < 0:
+            return None
+        rendered = rendered[:a] + START + "assistant" + sampled + rendered[b + len(CALL):]
+    return rendered
 
 
 def _held(buf: str, marker: str) -> int:
@@ -46,9 +67,12 @@ class Channels:
         self.to = ""                    # the current message's recipient, "" for none
         self.calls: list[list[str]] = []   # [id, name, arguments]
         self.messages = 0               # message bodies begun
+        self.raw: list[str] = []        # the answer's text as sampled (replay: block())
+        self.stop = ""                  # the stop token that ended it (answer.py sets it)
 
     def push(self, text: str) -> tuple[str, str, list[m.ToolCallDelta]]:
         """(reasoning, content, call pieces) of the text so far that is known."""
+        self.raw.append(text)
         self.buf += text
         reasoning, content, pieces = [], [], []
         while self.buf:
@@ -89,6 +113,11 @@ class Channels:
             content.append(self.buf)
         self.buf = ""
         return "".join(reasoning), "".join(content), pieces
+
+    def block(self) -> str | None:
+        """The whole answer as the next prompt must hold it (what replay() puts back): its
+        text and the `<|call|>` that ended it; None unless it ended in a call."""
+        return "".join(self.raw) + CALL if self.stop == CALL and self.calls else None
 
     def _header(self, head: str) -> None:
         mc, mt = _CHANNEL.search(head), _TO.search(head)

@@ -11,7 +11,7 @@ import json
 from common import messages as m
 from common.detok import Detokenizer
 from common.policy import common_prefix
-from procs.renderer import toolfmt, tools
+from procs.renderer import harmony, toolfmt, tools
 from common.tokenizer import TextModel
 
 
@@ -82,6 +82,10 @@ def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(),
     msgs = chat_messages(req, memory, index_sha1s, stats, fmt)
     try:
         rendered = _render(text, req, msgs, fmt, gen)
+        if stats.replays:
+            rendered = harmony.replay(rendered, stats.replays)
+            if rendered is None:
+                raise ValueError("a replayed call's marker is not in the rendered prompt")
     except Exception as e:  # a template that raises on this conversation: the client's input
         if not (fmt.native and stats.memory + stats.disk):
             raise PromptError("messages", f"the chat template rejected the messages: {e}") from None

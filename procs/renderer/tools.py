@@ -17,6 +17,7 @@ import collections
 import json
 
 from common import kvfile
+from procs.renderer import harmony
 from procs.renderer.callparser import CallParser  # noqa: F401 (the parser of generated calls)
 from procs.renderer.toolfmt import GENERIC, Format
 
@@ -109,6 +110,8 @@ class Rendered:
 
     def reset(self) -> None:
         self.memory = self.disk = self.json = self.missing = 0
+        # Harmony: marker -> the sampled answer that replaces the message rendered around it
+        self.replays: dict[str, str] = {}
 
     def line(self) -> str:
         return (f"tool calls: {self.memory} replayed from memory, {self.disk} from disk, "
@@ -136,7 +139,15 @@ def prepare_messages(msgs: list[dict], tools: list[dict], memory: ToolMemory | N
             d.pop("name", None)
         if calls:
             exact = _exact(calls, memory, index_sha1s, stats)
-            if exact is not None:
+            if exact is not None and fmt.kind == "harmony":
+                # the template renders the call around a marker; harmony.replay puts the
+                # sampled answer (its reasoning and header as written) in that message's place
+                mark = harmony.marker(len(stats.replays))
+                stats.replays[mark] = exact
+                d["content"] = ""
+                d["tool_calls"] = [{"id": calls[0]["id"], "type": "function",
+                                    "function": {"name": calls[0]["function"]["name"], "arguments": mark}}]
+            elif exact is not None:
                 d["content"] += exact
             elif fmt.native:
                 stats.json += len(calls)

@@ -149,3 +149,42 @@ def test_chat_shapes_carry_the_reasoning():
     [chunk] = ch.delta(m.Delta(rid="r", text="ok"))
     assert chunk["choices"][0]["delta"] == {"content": "ok"}
     assert json.dumps(chunk)
+
+
+def _conversation(call_id: str):
+    msgs = (m.ChatMessage(role="user", content="Weather in Oslo?"),
+            m.ChatMessage(role="assistant", content="", tool_calls=(m.ToolCall(
+                id=call_id, function=m.ToolCallFunction(name="get_weather", arguments='{"city":"Oslo"}')),)),
+            m.ChatMessage(role="tool", content="12 C", tool_call_id=call_id))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    return m.GenerateRequest(rid="r", kind="chat", sampling=m.SamplingParams(), messages=msgs,
+                             tools=json.dumps(tools))
+
+
+def test_a_remembered_call_replays_the_answer_as_sampled(text_model):
+    """The next turn's prompt holds the answer exactly as generated (its reasoning, its
+    header in the model's order, its compact JSON, the <|call|> that ended it) in the place
+    of the template's rendering of that call: the live session stays a prefix. An id not
+    remembered renders from JSON through the template."""
+    import dataclasses
+    from procs.renderer import tools as t
+    from procs.renderer.prompt import render
+    text = dataclasses.replace(text_model, chat_template=TEMPLATE)
+    _, _, _, ch = _run(_tokens(THINK + CALL_A))
+    ch.stop = "<|call|>"
+    block = ch.block()
+    assert block == THINK + CALL_A + "<|call|>"
+    memory = t.ToolMemory(16, "")
+    memory.remember([ch.calls[0][0]], block.encode())
+    stats = t.Rendered()
+    prompt = render(text, _conversation(ch.calls[0][0]), memory, (), stats).decode()
+    assert "<|start|>user<|message|>Weather in Oslo?<|end|><|start|>assistant" + block + \
+        "<|start|>functions.get_weather to=assistant" in prompt, prompt
+    assert "ricordo-replay" not in prompt and stats.memory == 1
+    stats = t.Rendered()
+    unknown = render(text, _conversation("call_unknown"), memory, (), stats).decode()
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}'
+            '<|call|>') in unknown and stats.json == 1
+    _, _, _, final = _run(_tokens(THINK + FINAL))
+    final.stop = "<|return|>"
+    assert final.block() is None           # an answer that did not end in a call is not remembered
