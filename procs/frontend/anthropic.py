@@ -11,7 +11,8 @@ via `install`; a prompt over the context reads as Anthropic's ("prompt is too lo
 > M maximum"), which is what makes Claude Code compact its conversation. `x-api-key` works
 like the Bearer token (see app.Auth); `anthropic-version` and `anthropic-beta` are accepted
 and ignored. A trailing assistant message with text is a prefill: the answer continues it
-(and does not repeat it), as Anthropic's does.
+(and does not repeat it), as Anthropic's does. A reasoning model's thinking (Harmony's analysis)
+comes as thinking blocks (signature "") when the request enables `thinking`, else not at all.
 """
 from __future__ import annotations
 
@@ -89,12 +90,16 @@ def stop_info(job: Job, outline: Outline, fin: Finished) -> tuple[str, str | Non
 def block(b: Block) -> dict:
     if b.kind == "text":
         return {"type": "text", "text": b.text}
+    if b.kind == "reasoning":   # no signature: the thinking is the model's own text, not Anthropic's
+        return {"type": "thinking", "thinking": b.text, "signature": ""}
     return {"type": "tool_use", "id": to_client_id(b.id), "name": b.name, "input": parse_json_object(b.args)}
 
 
 def _start_block(b: Block) -> dict:
     if b.kind == "text":
         return {"type": "text", "text": ""}
+    if b.kind == "reasoning":
+        return {"type": "thinking", "thinking": "", "signature": ""}
     return {"type": "tool_use", "id": to_client_id(b.id), "name": b.name, "input": {}}
 
 
@@ -108,7 +113,7 @@ class Shaper(Blocks):
     close, whole, as JSON of an object."""
 
     def __init__(self, job: Job, mid: str, model: str, accepted: Accepted | None):
-        super().__init__()
+        super().__init__(job.info.get("thinking", False))
         self.job, self.mid, self.model = job, mid, model
         self.prompt_tokens = accepted.prompt_tokens if accepted else 0
         self.begun = False
@@ -148,8 +153,10 @@ class Shaper(Blocks):
                 out.append(sse("content_block_start", {"type": "content_block_start", "index": b.index,
                                                               "content_block": _start_block(b)}))
             elif op[0] == "text":
+                delta = {"type": "thinking_delta", "thinking": op[2]} if b.kind == "reasoning" else \
+                    {"type": "text_delta", "text": op[2]}
                 out.append(sse("content_block_delta", {"type": "content_block_delta", "index": b.index,
-                                                              "delta": {"type": "text_delta", "text": op[2]}}))
+                                                              "delta": delta}))
             elif op[0] == "args":
                 if b.extra.setdefault("streamed", b.args.lstrip().startswith("{")):
                     out.append(sse("content_block_delta", {
@@ -161,6 +168,9 @@ class Shaper(Blocks):
                     out.append(sse("content_block_delta", {
                         "type": "content_block_delta", "index": b.index,
                         "delta": {"type": "input_json_delta", "partial_json": js}}))
+                if b.kind == "reasoning":
+                    out.append(sse("content_block_delta", {"type": "content_block_delta", "index": b.index,
+                                                           "delta": {"type": "signature_delta", "signature": ""}}))
                 out.append(sse("content_block_stop", {"type": "content_block_stop", "index": b.index}))
         return out
 
@@ -194,7 +204,7 @@ class Messages(Endpoint):
         return parse(body, rid)
 
     def collector(self, job: Job) -> Whole:
-        return Whole(lambda outline, fin: self.whole(job, outline, fin))
+        return Whole(lambda outline, fin: self.whole(job, outline, fin), job.info.get("thinking", False))
 
     def whole(self, job: Job, outline: Outline, fin: Finished) -> dict:
         reason, seq = stop_info(job, outline, fin)

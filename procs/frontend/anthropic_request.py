@@ -208,4 +208,6 @@ def parse(body: dict, rid: str, count_only: bool = False) -> Job:
                           tools=tool_json, tool_choice=choice, logprobs=bool(stop), parallel_tool_calls=parallel,
                           response_format=_output_format(body), count_only=count_only,
                           session_hint=session_hint(body, "metadata.user_id"))
-    return Job(req, stream and not count_only)
+    # a reasoning model's thinking comes back as thinking blocks only when asked for, as Anthropic's
+    thinking = isinstance(body.get("thinking"), dict) and body["thinking"].get("type") in ("enabled", "adaptive")
+    return Job(req, stream and not count_only, thinking=thinking)

@@ -17,7 +17,7 @@ from common.messages import Delta, Finished
 @dataclass
 class Block:
     index: int                      # position among the answer's blocks
-    kind: str                       # "text" | "call"
+    kind: str                       # "text" | "call" | "reasoning" (a reasoning model's thinking)
     text: str = ""
     id: str = ""
     name: str = ""
@@ -27,12 +27,15 @@ class Block:
 
 class Outline:
     """Delta events -> ops on blocks: ("open", b), ("text", b, s), ("args", b, s), ("close", b).
-    A text block opens with the first text after a call (or at the start); a call block with
-    the first piece of a call (the one with id and name); the open block closes when another
-    opens or at the end. `raw` gathers the sampled bytes when the request asked for logprobs
+    A text block opens with the first text after a call (or at the start), a reasoning block
+    (its "text" ops the thinking) with the first reasoning after anything else; a call block
+    with the first piece of a call (the one with id and name); the open block closes when
+    another opens or at the end. reasoning=False leaves reasoning out (an API whose client
+    did not ask for it). `raw` gathers the sampled bytes when the request asked for logprobs
     (to tell which stop string ended the answer)."""
 
-    def __init__(self):
+    def __init__(self, reasoning: bool = True):
+        self.reasoning = reasoning
         self.blocks: list[Block] = []
         self.open: Block | None = None
         self.calls: dict[int, Block] = {}
@@ -49,6 +52,11 @@ class Outline:
         ops: list = []
         for t in ev.logprobs:
             self.raw += bytes(t.bytes)
+        if ev.reasoning and self.reasoning:
+            if self.open is None or self.open.kind != "reasoning":
+                ops += self._start(Block(len(self.blocks), "reasoning"))
+            self.open.text += ev.reasoning
+            ops.append(("text", self.open, ev.reasoning))
         if ev.text:
             self.text.append(ev.text)
             if self.open is None or self.open.kind != "text":
@@ -87,8 +95,8 @@ def matched_stop(stops, raw: bytes, text: str) -> str | None:
 class Whole:
     """The collector of a whole (non-streamed) answer: the outline, then `build(outline, fin)`."""
 
-    def __init__(self, build: Callable[["Outline", Finished], dict]):
-        self.outline, self.build = Outline(), build
+    def __init__(self, build: Callable[["Outline", Finished], dict], reasoning: bool = True):
+        self.outline, self.build = Outline(reasoning), build
 
     def add(self, ev: Delta) -> None:
         self.outline.feed(ev)
@@ -102,8 +110,8 @@ class Blocks:
     """Base of a streamed shaper over the outline: `ops(ops)` turns operations into SSEvents,
     `end(fin)` gives the events after the last block closed."""
 
-    def __init__(self):
-        self.outline = Outline()
+    def __init__(self, reasoning: bool = True):
+        self.outline = Outline(reasoning)
 
     def ops(self, ops: list) -> list:
         raise NotImplementedError

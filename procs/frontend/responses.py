@@ -1,7 +1,8 @@
 """POST /v1/responses: the OpenAI Responses API over the chat pipeline. Requests are read in
 responses_request.py; here the answer: a `message` item for the text, `function_call` items
 (call_id = the renderer's call id, with `namespace` for a namespaced tool) or
-`custom_tool_call` items (the free-form input) for the calls, whole or as the API's
+`custom_tool_call` items (the free-form input) for the calls, a `reasoning` item for a
+reasoning model's thinking (its text as `reasoning_text`, no summary), whole or as the API's
 streamed events. A call cut by the token limit is an `incomplete` item, as is cut text.
 
 No server-side state: `store` is accepted and nothing is stored.
@@ -26,14 +27,19 @@ def _hex() -> str:
 # -- response ------------------------------------------------------------------------------
 
 def usage(u) -> dict:
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+    # cache_write_tokens (required by openai 3.x's types): 0, as Anthropic's cache_creation_input_tokens:
+    # checkpoints are written by the server on its own, not asked for
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
 def _item_id(b: Block) -> str:
     if "id" not in b.extra:
-        b.extra["id"] = ("msg_" if b.kind == "text" else "fc_" if not b.extra.get("custom") else "ctc_") + _hex()
+        b.extra["id"] = {"text": "msg_", "reasoning": "rs_"}.get(b.kind) or \
+            ("fc_" if not b.extra.get("custom") else "ctc_")
+        b.extra["id"] += _hex()
     return b.extra["id"]
 
 
@@ -43,6 +49,9 @@ def item(b: Block, status: str, tools: Toolset) -> dict:
     if b.kind == "text":
         content = [] if status == "in_progress" else [_part(b.text)]
         return {"id": _item_id(b), "type": "message", "status": status, "role": "assistant", "content": content}
+    if b.kind == "reasoning":     # its text as OpenAI's open-weight models give it (no summary)
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": b.text}]
+        return {"id": _item_id(b), "type": "reasoning", "status": status, "summary": [], "content": content}
     t = tools.tool(b.name)
     b.extra.setdefault("custom", t.custom)
     done = status != "in_progress"
@@ -127,6 +136,8 @@ class Shaper(Blocks):
                 if b.kind == "text":
                     out.append(self._ev("response.content_part.added", **where, content_index=0,
                                         part=_part("")))
+            elif op[0] == "text" and b.kind == "reasoning":
+                out.append(self._ev("response.reasoning_text.delta", **where, content_index=0, delta=op[2]))
             elif op[0] == "text":
                 out.append(self._ev("response.output_text.delta", **where, content_index=0, delta=op[2],
                                     logprobs=[]))
@@ -135,6 +146,8 @@ class Shaper(Blocks):
                     out.append(self._ev("response.function_call_arguments.delta", **where, delta=op[2]))
             else:
                 status = "incomplete" if self.length else "completed"     # the last block, cut
+                if b.kind == "reasoning":
+                    out.append(self._ev("response.reasoning_text.done", **where, content_index=0, text=b.text))
                 if b.kind == "text":
                     out.append(self._ev("response.output_text.done", **where, content_index=0, text=b.text,
                                         logprobs=[]))

@@ -155,7 +155,8 @@ def test_responses_whole_text():
     assert msg["type"] == "message" and msg["id"].startswith("msg_") and msg["role"] == "assistant"
     assert msg["status"] == "completed"
     assert msg["content"] == [{"type": "output_text", "text": "Hello!", "annotations": [], "logprobs": []}]
-    assert d["usage"] == {"input_tokens": 70, "input_tokens_details": {"cached_tokens": 50}, "output_tokens": 12,
+    assert d["usage"] == {"input_tokens": 70, "input_tokens_details": {"cached_tokens": 50, "cache_write_tokens": 0},
+                          "output_tokens": 12,
                           "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 82}
 
 

@@ -1,0 +1,83 @@
+"""A reasoning model's thinking (the renderer's Delta.reasoning: Harmony's analysis channel) in
+each API's shape, from renderer events (a fake backend: the frontend's layer alone; the
+renderer's side is tests/procs/renderer/test_harmony.py): Chat Completions' reasoning_content,
+a Responses `reasoning` item, Anthropic thinking blocks when the request enables thinking,
+none otherwise; each read by the official client's own types."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import TypeAdapter
+
+from common.messages import Accepted, Delta, Finished, ToolCallDelta
+from tests.procs.frontend.test_agents import CID, USAGE, events, make
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+
+def think_script(rid, req):
+    return [Accepted(rid=rid, prompt_tokens=70), Delta(rid=rid, reasoning="The user wants "),
+            Delta(rid=rid, reasoning="the weather."), Delta(rid=rid, text="Checking."),
+            Delta(rid=rid, tool_calls=(ToolCallDelta(index=0, id=CID, name="weather"),
+                                       ToolCallDelta(index=0, arguments='{"city": "Oslo"}'))),
+            Finished(rid=rid, finish_reason="tool_calls", usage=USAGE)]
+
+
+TOOL = {"name": "weather", "parameters": {"type": "object"}}
+THOUGHT = "The user wants the weather."
+
+
+def test_chat_completions_reasoning_content():
+    _, post, _ = make(think_script)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": TOOL}]}
+    msg = openai.types.chat.ChatCompletion.model_validate(post("/v1/chat/completions", body).json).choices[0].message
+    assert msg.reasoning_content == THOUGHT and msg.content == "Checking." and msg.tool_calls[0].id == CID
+    text = post("/v1/chat/completions", {**body, "stream": True}).text
+    chunks = [openai.types.chat.ChatCompletionChunk.model_validate(json.loads(line[6:]))
+              for line in text.split("\n") if line.startswith("data: {")]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == THOUGHT
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+
+
+def test_responses_reasoning_item():
+    _, post, _ = make(think_script)
+    body = {"model": "m", "input": "hi", "tools": [{"type": "function", **TOOL}]}
+    r = openai.types.responses.Response.model_validate(post("/v1/responses", body).json)
+    assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
+    assert r.output[0].content[0].text == THOUGHT and r.output[0].id.startswith("rs_")
+    ev = events(post("/v1/responses", {**body, "stream": True}).text)
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    parsed = [adapter.validate_python(d) for n, d in ev if isinstance(d, dict)]
+    assert "".join(e.delta for e in parsed if e.type == "response.reasoning_text.delta") == THOUGHT
+    [done] = [e for e in parsed if e.type == "response.reasoning_text.done"]
+    assert done.text == THOUGHT and done.output_index == 0
+    [last] = [e for e in parsed if e.type == "response.completed"]
+    assert [o.type for o in last.response.output] == ["reasoning", "message", "function_call"]
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_anthropic_thinking_blocks_only_when_asked(thinking):
+    _, post, _ = make(think_script)
+    body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "weather", "input_schema": {"type": "object"}}]}
+    if thinking:
+        body["thinking"] = {"type": "enabled", "budget_tokens": 1024}
+    msg = anthropic.types.Message.model_validate(post("/v1/messages", body).json)
+    want = (["thinking"] if thinking else []) + ["text", "tool_use"]
+    assert [b.type for b in msg.content] == want
+    if thinking:
+        assert msg.content[0].thinking == THOUGHT
+    ev = events(post("/v1/messages", {**body, "stream": True}).text)
+    adapter = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    parsed = [adapter.validate_python(d) for n, d in ev if isinstance(d, dict) and n != "ping"]
+    starts = [e.content_block.type for e in parsed if e.type == "content_block_start"]
+    assert starts == want
+    deltas = [e.delta for e in parsed if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == (THOUGHT if thinking else "")
+    assert sum(d.type == "signature_delta" for d in deltas) == int(thinking)
+    assert [e.index for e in parsed if e.type == "content_block_stop"] == list(range(len(want)))
