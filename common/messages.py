@@ -57,6 +57,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
                                         # from (Anthropic's prefill, vLLM's continue_final_message)
     session_hint: str = ""              # which conversation this is, as the client says (Responses'
                                         # prompt_cache_key, `user`, Anthropic metadata.user_id)
+    reasoning_effort: str = ""          # the client's reasoning effort, given to the chat template as
+                                        # `reasoning_effort` (gpt-oss's "Reasoning: high"); "": not said
     received: float = 0.0               # time.monotonic() when the web received it (0: unknown);
                                         # the clock is the host's, shared by every process
 

@@ -86,6 +86,22 @@ def get_bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def reasoning_effort(body: dict, key: str) -> str:
+    """The reasoning effort at key (a dotted path into body), one of OpenAI's values; ""
+    when not given."""
+    v = body
+    for part in key.split("."):
+        v = v.get(part) if isinstance(v, dict) else None
+    if v is None:
+        return ""
+    if v not in EFFORTS:
+        raise bad(key, f"'{key}' must be one of {', '.join(EFFORTS)}")
+    return v
+
+
 def session_hint(body: dict, *keys: str) -> str:
     """The first of keys (a dotted path into body) that is a non-empty string: which
     conversation the client says this is. Only a hint for which resident session to prefer;

@@ -85,7 +85,8 @@ class Head:
         self.fixed = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                       "metadata": body.get("metadata") or {}, "model": model,
                       "parallel_tool_calls": job.req.parallel_tool_calls,   # what was done: false unless asked
-                      "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+                      "previous_response_id": None,
+                      "reasoning": {"effort": job.req.reasoning_effort or None, "summary": None},
                       "store": False, "temperature": job.req.sampling.temperature,
                       "text": {"format": ((body.get("text") or {}).get("format") or {"type": "text"})}, "tool_choice": body.get("tool_choice") or "auto",
                       "tools": tools, "top_p": job.req.sampling.top_p, "truncation": "disabled",

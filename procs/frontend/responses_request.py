@@ -12,7 +12,8 @@ Tools: `function`; `namespace` (its members rendered as tools of their own name)
 server cannot run (web_search, file_search, mcp, ... and any future type) are left out of
 the prompt and logged once. No server-side state: `previous_response_id` (and
 `conversation`) get a 400 asking for the whole input; `store`, `include`, `reasoning`,
-`truncation`, `metadata`, `prompt_cache_key`, `user` are accepted.
+`truncation`, `metadata`, `prompt_cache_key`, `user` are accepted, and `reasoning.effort` goes
+to the chat template as `reasoning_effort` (gpt-oss's).
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import logging
 from common.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallFunction
 from procs.frontend import normalize
 from procs.frontend.errors import bad
-from procs.frontend.fields import (TOOL_NAME, function_tool, get_bool, session_hint, json_text, message_role, named_choice,
-                                   output_format, sampling)
+from procs.frontend.fields import (TOOL_NAME, function_tool, get_bool, reasoning_effort, session_hint, json_text,
+                                   message_role, named_choice, output_format, sampling)
 from procs.frontend.flow import Job
 from procs.frontend.toolset import CUSTOM_PARAMETERS, Toolset, custom_arguments, tool_list
 
@@ -224,5 +225,6 @@ def parse(body: dict, rid: str) -> Job:
     req = GenerateRequest(rid=rid, kind="chat", sampling=params, messages=tuple(messages),
                           tools=tools.json(), tool_choice=choice, response_format=out_format,
                           parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True,
-                          session_hint=session_hint(body, "prompt_cache_key", "user"))
+                          session_hint=session_hint(body, "prompt_cache_key", "user"),
+                          reasoning_effort=reasoning_effort(body, "reasoning.effort"))
     return Job(req, stream, body=body, tools=tools)

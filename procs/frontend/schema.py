@@ -9,8 +9,8 @@ from __future__ import annotations
 from common.messages import ChatMessage, GenerateRequest, SamplingParams, ToolCall, ToolCallFunction
 from procs.frontend import normalize
 from procs.frontend.errors import bad
-from procs.frontend.fields import (function_tool, get_bool, session_hint, get_int, json_text, named_choice,
-                                   message_role, output_format, sampling, stops)
+from procs.frontend.fields import (function_tool, get_bool, reasoning_effort, session_hint, get_int, json_text,
+                                   named_choice, message_role, output_format, sampling, stops)
 from procs.frontend.flow import Job
 
 MAX_STOPS = 4
@@ -172,6 +172,7 @@ def parse_chat(body: dict, rid: str) -> Job:
                           response_format=output_format(body.get("response_format"), "response_format", "json_schema"),
                           parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True,
                           session_hint=session_hint(body, "prompt_cache_key", "user"),
+                          reasoning_effort=reasoning_effort(body, "reasoning_effort"),
                           continue_final=_continue_final(body, messages))
     return Job(req, stream, include_usage=usage)
 

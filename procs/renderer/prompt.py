@@ -57,6 +57,8 @@ def _render(text: TextModel, req: m.GenerateRequest, msgs: list[dict], fmt: tool
     that writes the BOS itself (Llama 3's) loses it here: render() puts one in front when the
     model wants it, never two."""
     extra = {"tools": json.loads(req.tools)} if req.tools and fmt.native else {}
+    if req.reasoning_effort:      # a template that does not read it renders as before
+        extra["reasoning_effort"] = req.reasoning_effort
     out = text.render_chat(msgs, add_generation_prompt=add_generation_prompt, **extra)
     bos = text.bos_text().decode("utf-8", "replace")
     return out[len(bos):] if bos and out.startswith(bos) else out

@@ -81,3 +81,21 @@ def test_anthropic_thinking_blocks_only_when_asked(thinking):
     assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == (THOUGHT if thinking else "")
     assert sum(d.type == "signature_delta" for d in deltas) == int(thinking)
     assert [e.index for e in parsed if e.type == "content_block_stop"] == list(range(len(want)))
+
+
+def test_reasoning_effort_reaches_the_request():
+    """Chat's reasoning_effort and Responses' reasoning.effort (the chat template's
+    reasoning_effort); a value outside OpenAI's is a 400 naming the field."""
+    be, post, _ = make(think_script)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert post("/v1/chat/completions", {**chat, "reasoning_effort": "high"}).status_code == 200
+    r = post("/v1/responses", {"model": "m", "input": "hi", "reasoning": {"effort": "low", "summary": "auto"}})
+    assert r.json["reasoning"]["effort"] == "low"
+    post("/v1/chat/completions", chat)
+    assert [q.reasoning_effort for q in be.requests] == ["high", "low", ""]
+    for path, body, param in (("/v1/chat/completions", {**chat, "reasoning_effort": "max"}, "reasoning_effort"),
+                              ("/v1/responses", {"model": "m", "input": "hi", "reasoning": {"effort": 3}},
+                               "reasoning.effort")):
+        r = post(path, body)
+        assert r.status_code == 400 and r.json["error"]["param"] == param, r.json
+    assert len(be.requests) == 3

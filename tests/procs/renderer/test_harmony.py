@@ -188,3 +188,14 @@ def test_a_remembered_call_replays_the_answer_as_sampled(text_model):
     _, _, _, final = _run(_tokens(THINK + FINAL))
     final.stop = "<|return|>"
     assert final.block() is None           # an answer that did not end in a call is not remembered
+
+
+def test_the_reasoning_effort_reaches_the_template(text_model):
+    import dataclasses
+    from procs.renderer.prompt import render
+    text = dataclasses.replace(text_model, chat_template=TEMPLATE)
+    ask = (m.ChatMessage(role="user", content="hi"),)
+    for effort, want in (("high", "Reasoning: high"), ("", "Reasoning: medium")):
+        req = m.GenerateRequest(rid="r", kind="chat", sampling=m.SamplingParams(), messages=ask,
+                                reasoning_effort=effort)
+        assert want in render(text, req).decode()
