@@ -12,7 +12,7 @@ import zmq
 
 from common import messages as m
 from common import metrics
-from procs.renderer import harmony, tools
+from procs.renderer import harmony, thinking, tools
 from procs.renderer.prompt import TextStream, token_logprob
 
 
@@ -35,6 +35,7 @@ class Pending:
     stream: TextStream | None = None
     calls: tools.CallParser | None = None   # set when generated tool calls are parsed
     harmony: harmony.Channels | None = None  # a Harmony model's chat answer (its calls too)
+    think: thinking.Think | None = None     # a thinking model's <think> block, before the answer
     finished: bool = False          # the web has its Finished/Failed; ignore further tokens
     constraint: m.Constraint | None = None
     # set when dispatched to inference
@@ -77,10 +78,13 @@ class Answers:
         pieces, reasoning = [], ""
         if p.harmony is not None:
             reasoning, text, pieces = p.harmony.push(text)
+        elif p.think is not None:
+            reasoning, text = p.think.push(text)
         if p.calls is not None:
             text, pieces = p.calls.push(text)
             if p.calls.done:      # a call was closed and the model went on with something else
-                kept = p.calls.close_block()
+                # (its offset in the sampled text: after the thinking, if any)
+                kept = p.calls.close_block() + (p.think.skipped if p.think is not None else 0)
                 if pieces:
                     self.to_web(p.route, m.Delta(rid=p.req.rid, logprobs=lps, tool_calls=tuple(pieces)))
                 self.finish(p, "tool_calls")
@@ -133,6 +137,10 @@ class Answers:
             block = p.harmony.block()
             if block is not None:
                 self.remember_calls([c[0] for c in p.harmony.calls], block)
+        elif p.think is not None:
+            r1, tail = p.think.push(tail)
+            r2, c2 = p.think.flush()
+            reasoning, tail = r1 + r2, tail + c2
         if p.calls is not None:
             tail, pieces = p.calls.push(tail)
             tail += p.calls.flush()

@@ -12,7 +12,7 @@ import msgspec
 
 from common import messages as m
 from common.policy import common_prefix
-from procs.renderer import harmony, grammar, tools, toolxml
+from procs.renderer import grammar, harmony, thinking, tools, toolxml
 from procs.renderer.answer import Pending
 from procs.renderer.plan import plan_job
 from procs.renderer.prompt import TextStream, tool_choice
@@ -84,7 +84,9 @@ class Dispatch:
         p.stream = TextStream(self.text, p.req.stop)
         if self.call_format.kind == "harmony" and p.req.kind == "chat":   # channels, calls included
             p.harmony = harmony.Channels(self.call_format.new_id)
-        elif p.req.tools:
+        elif p.req.kind == "chat" and thinking.detect(self.text.chat_template):
+            p.think = thinking.Think(thinking.opened(p.prompt[-64:].decode("utf-8", "replace")))
+        if p.harmony is None and p.req.tools:
             choice = tool_choice(p.req)
             if choice == "none":
                 sampling = self.no_calls(sampling)

@@ -1,0 +1,89 @@
+"""A thinking model's `<think>...</think>` (Qwen3, QwQ, DeepSeek-R1 and their distills, SmolLM3):
+the thinking at the start of an answer comes back as reasoning, the rest as the answer, as
+llama.cpp's default reasoning format (deepseek) and vLLM's reasoning parsers return them.
+
+The thinking is taken only where it opens the answer: after the prompt's own `<think>` (a
+template that opens it in the generation prompt: DeepSeek-R1, Qwen3 thinking-only), or when
+the answer's first text is `<think>`. It ends at `</think>`; the blank lines after it are
+not part of the answer. A `<think>` later in an answer is text.
+"""
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def detect(template: str | None) -> bool:
+    """A chat template that speaks of thinking blocks."""
+    src = template or ""
+    return OPEN in src and CLOSE in src
+
+
+def opened(prompt: str) -> bool:
+    """The generation prompt ends inside a thinking block (its `<think>` not closed)."""
+    tail = prompt.rstrip()
+    return tail.endswith(OPEN)
+
+
+def _held(buf: str, marker: str) -> int:
+    for k in range(min(len(marker) - 1, len(buf)), 0, -1):
+        if buf.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class Think:
+    """Splits an answer into (reasoning, content), incrementally."""
+
+    def __init__(self, inside: bool):
+        # "start": the answer may still open with <think>; "in": thinking; "gap": the blank
+        # lines after </think>; "out": the answer
+        self.state = "in" if inside else "start"
+        self.buf = ""
+        self.skipped = 0         # UTF-8 bytes of the sampled text before the answer's first byte
+
+    def push(self, text: str) -> tuple[str, str]:
+        self.buf += text
+        reasoning, content = "", ""
+        while self.buf:
+            if self.state == "start":
+                lead = self.buf.lstrip()
+                if lead.startswith(OPEN):
+                    self._skip(len(self.buf) - len(lead) + len(OPEN))
+                    self.state = "in"
+                    continue
+                if OPEN.startswith(lead):          # (all blank so far, or a part of <think>)
+                    break
+                self.state = "out"
+            elif self.state == "in":
+                i = self.buf.find(CLOSE)
+                if i < 0:
+                    cut = len(self.buf) - _held(self.buf, CLOSE)
+                    reasoning += self.buf[:cut]
+                    self._skip(cut)
+                    break
+                reasoning += self.buf[:i]
+                self._skip(i + len(CLOSE))
+                self.state = "gap"
+            elif self.state == "gap":
+                lead = self.buf.lstrip("\r\n")
+                self._skip(len(self.buf) - len(lead))
+                if lead:
+                    self.state = "out"
+                else:
+                    break
+            else:
+                content += self.buf
+                self.buf = ""
+        return reasoning, content
+
+    def flush(self) -> tuple[str, str]:
+        """The rest at the end: held text of the thinking is thinking; an answer that was
+        only blanks or a part of `<think>` is that text."""
+        rest, self.buf = self.buf, ""
+        if self.state == "in":
+            return rest, ""
+        return "", "" if self.state == "gap" else rest
+
+    def _skip(self, n: int) -> None:
+        self.skipped += len(self.buf[:n].encode("utf-8", "surrogateescape"))
+        self.buf = self.buf[n:]

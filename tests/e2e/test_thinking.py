@@ -1,0 +1,63 @@
+"""A thinking model's template end to end (tests/data/templates/think.jinja over the default
+model: its generation prompt opens `<think>`, as DeepSeek-R1's and Qwen3's thinking-only
+templates do): what the model writes before `</think>` comes back as reasoning
+(`reasoning_content`, a Responses reasoning item), the rest as the answer, whole and streamed
+alike; the next turn renders the answer without its thinking and still reuses the prompt
+before it from the live session."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .server import Server
+
+openai = pytest.importorskip("openai")
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "templates" / "think.jinja"
+ASK = [{"role": "user", "content": "What is two plus two?"}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    # a common prefix this short is reused only under a lower --kv-cache-min-tokens than 512
+    with Server(env={"RICORDO_CHAT_TEMPLATE_FILE": str(TEMPLATE), "RICORDO_CTX_SIZE": "2048",
+                     "RICORDO_KV_CACHE_MIN_TOKENS": "8"}) as srv:
+        yield srv.client()
+
+
+def _expected(written: str) -> tuple[str, str]:
+    """(reasoning, content) of the text the model wrote after the prompt's <think>."""
+    for end in ("<|im_end|>", "<|endoftext|>"):
+        written = written.split(end)[0]
+    if "</think>" not in written:
+        return written, ""
+    think, rest = written.split("</think>", 1)
+    return think, rest.lstrip("\r\n")
+
+
+def test_the_thinking_is_reasoning_whole_and_streamed(client):
+    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0, logprobs=True)
+    c = r.choices[0]
+    written = "".join(t.token for t in c.logprobs.content)
+    want_r, want_c = _expected(written)
+    assert want_r.strip(), f"the model wrote no thinking: {written!r}"
+    assert c.message.reasoning_content == want_r and (c.message.content or "") == want_c
+    stream = client.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0, stream=True)
+    deltas = [ch.choices[0].delta for ch in stream if ch.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == want_r
+    assert "".join(d.content or "" for d in deltas) == want_c
+    resp = client.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=24, temperature=0)
+    assert resp.output[0].type == "reasoning" and resp.output[0].content[0].text == want_r
+
+
+def test_the_next_turn_reuses_the_prompt_before_the_answer(client):
+    r1 = client.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0)
+    msg = r1.choices[0].message
+    turn2 = ASK + [{"role": "assistant", "content": msg.content or ""}, {"role": "user", "content": "And three?"}]
+    r2 = client.chat.completions.create(model="m", messages=turn2, max_tokens=4, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    # turn 1's prompt but its last few tokens (`assistant\n<think>\n`: the next turn writes the
+    # answer's text there, which tokenizes with the newline), none of the thinking
+    assert r1.usage.prompt_tokens - 5 <= cached < r1.usage.prompt_tokens + r1.usage.completion_tokens, \
+        (r1.usage, r2.usage)
