@@ -57,6 +57,7 @@ class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0           # of completion_tokens, those that wrote the thinking
 
 
 class ToolCallDelta(msgspec.Struct, frozen=True):

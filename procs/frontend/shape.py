@@ -16,9 +16,12 @@ def _lp(v: float) -> float:
 
 
 def usage(u: Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    d = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+         "total_tokens": u.prompt_tokens + u.completion_tokens,
+         "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    if u.reasoning_tokens:
+        d["completion_tokens_details"] = {"reasoning_tokens": u.reasoning_tokens}
+    return d
 
 
 def chat_logprobs(lps) -> list[dict]:

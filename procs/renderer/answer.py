@@ -32,6 +32,7 @@ class Pending:
     gen_bytes: list[int] = field(default_factory=list)   # cumulative bytes after each generated token
     miss: str = ""                  # why the disk cache had nothing, for the lookup metric
     n_generated: int = 0
+    n_reasoning: int = 0            # generated tokens whose text went to the reasoning alone
     stream: TextStream | None = None
     calls: tools.CallParser | None = None   # set when generated tool calls are parsed
     harmony: harmony.Channels | None = None  # a Harmony model's chat answer (its calls too)
@@ -80,6 +81,8 @@ class Answers:
             reasoning, text, pieces = p.harmony.push(text)
         elif p.think is not None:
             reasoning, text = p.think.push(text)
+        if reasoning and not text and not pieces:
+            p.n_reasoning += 1
         if p.calls is not None:
             text, pieces = p.calls.push(text)
             if p.calls.done:      # a call was closed and the model went on with something else
@@ -151,7 +154,8 @@ class Answers:
             pieces += p.calls.cut_pieces()      # a cut call is never remembered: its block has no end to replay
         if tail or pieces or reasoning:
             self.to_web(p.route, m.Delta(rid=p.req.rid, text=tail, tool_calls=tuple(pieces), reasoning=reasoning))
-        usage = m.Usage(prompt_tokens=p.n_prompt, completion_tokens=p.n_generated, cached_tokens=p.cached)
+        usage = m.Usage(prompt_tokens=p.n_prompt, completion_tokens=p.n_generated, cached_tokens=p.cached,
+                        reasoning_tokens=p.n_reasoning)
         metrics.M.prompt_tokens.inc(usage.prompt_tokens)
         metrics.M.cached_tokens.inc(usage.cached_tokens)
         metrics.M.generated_tokens.inc(usage.completion_tokens)

@@ -49,6 +49,10 @@ def test_the_thinking_is_reasoning_whole_and_streamed(client):
     assert "".join(d.content or "" for d in deltas) == want_c
     resp = client.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=24, temperature=0)
     assert resp.output[0].type == "reasoning" and resp.output[0].content[0].text == want_r
+    # the tokens that wrote the thinking (a token held as a possible `</think>` is not counted)
+    n = r.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < n <= r.usage.completion_tokens and (n == r.usage.completion_tokens) == (not want_c)
+    assert resp.usage.output_tokens_details.reasoning_tokens == n
 
 
 def test_the_next_turn_reuses_the_prompt_before_the_answer(client):

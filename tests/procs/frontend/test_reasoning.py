@@ -10,11 +10,14 @@ import json
 import pytest
 from pydantic import TypeAdapter
 
-from common.messages import Accepted, Delta, Finished, ToolCallDelta
-from tests.procs.frontend.test_agents import CID, USAGE, events, make
+from common.messages import Accepted, Delta, Finished, ToolCallDelta, Usage
+from tests.procs.frontend.test_agents import CID, events, make
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
+
+
+USAGE_R = Usage(prompt_tokens=70, completion_tokens=12, cached_tokens=50, reasoning_tokens=5)
 
 
 def think_script(rid, req):
@@ -22,7 +25,7 @@ def think_script(rid, req):
             Delta(rid=rid, reasoning="the weather."), Delta(rid=rid, text="Checking."),
             Delta(rid=rid, tool_calls=(ToolCallDelta(index=0, id=CID, name="weather"),
                                        ToolCallDelta(index=0, arguments='{"city": "Oslo"}'))),
-            Finished(rid=rid, finish_reason="tool_calls", usage=USAGE)]
+            Finished(rid=rid, finish_reason="tool_calls", usage=USAGE_R)]
 
 
 TOOL = {"name": "weather", "parameters": {"type": "object"}}
@@ -33,7 +36,9 @@ def test_chat_completions_reasoning_content():
     _, post, _ = make(think_script)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"type": "function", "function": TOOL}]}
-    msg = openai.types.chat.ChatCompletion.model_validate(post("/v1/chat/completions", body).json).choices[0].message
+    whole = openai.types.chat.ChatCompletion.model_validate(post("/v1/chat/completions", body).json)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 5
+    msg = whole.choices[0].message
     assert msg.reasoning_content == THOUGHT and msg.content == "Checking." and msg.tool_calls[0].id == CID
     text = post("/v1/chat/completions", {**body, "stream": True}).text
     chunks = [openai.types.chat.ChatCompletionChunk.model_validate(json.loads(line[6:]))
@@ -49,6 +54,7 @@ def test_responses_reasoning_item():
     r = openai.types.responses.Response.model_validate(post("/v1/responses", body).json)
     assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
     assert r.output[0].content[0].text == THOUGHT and r.output[0].id.startswith("rs_")
+    assert r.usage.output_tokens_details.reasoning_tokens == 5
     ev = events(post("/v1/responses", {**body, "stream": True}).text)
     adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
     parsed = [adapter.validate_python(d) for n, d in ev if isinstance(d, dict)]
