@@ -44,6 +44,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str = ""                 # an assistant answer's thinking, as the client sends it back
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):

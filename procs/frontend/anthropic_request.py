@@ -4,7 +4,8 @@
 mid-conversation system messages) rendered in place; user/assistant messages with text
 blocks; assistant `tool_use` blocks -> tool_calls (arguments = the input as JSON); user
 `tool_result` blocks -> tool messages, in order, the user message's text blocks after them.
-Blocks the model cannot read (images, thinking, server tool results) are left out and logged
+An assistant's `thinking` blocks are its reasoning (for a template that renders it). Blocks
+the model cannot read (images, redacted thinking, server tool results) are left out and logged
 once per type; `document` blocks with a text source render as text. Volatile per-session
 headers go before rendering (normalize.py).
 
@@ -125,7 +126,9 @@ def messages(body: dict) -> list[ChatMessage]:
         if role == "assistant":
             calls = tuple(_tool_use(b, f"{at}.content.{j}") for j, b in enumerate(blocks) if b["type"] == "tool_use")
             texts = _texts(blocks, ("tool_use", "thinking", "redacted_thinking"))
-            out.append(ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls))
+            thought = "".join(b.get("thinking") or "" for b in blocks
+                              if b["type"] == "thinking" and isinstance(b.get("thinking"), str))
+            out.append(ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls, reasoning=thought))
             continue
         for j, b in enumerate(blocks):
             if b["type"] == "tool_result":

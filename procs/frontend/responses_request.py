@@ -5,7 +5,8 @@ Input items map onto chat messages: `instructions` -> a leading system message; 
 `function_call` and `custom_tool_call` items -> an assistant message with tool_calls whose
 ids are the items' `call_id` (merged into the assistant message right before them, so text +
 calls of one answer replay as the exact sampled bytes); their outputs -> tool messages;
-reasoning items and what hosted tools left are skipped.
+what hosted tools left are skipped; a reasoning item's text goes with the assistant answer
+after it (its thinking, for a template that renders it).
 
 Tools: `function`; `namespace` (its members rendered as tools of their own name); `custom`
 (free-form input, shown to the model as a function of one string); the built-in tools the
@@ -103,6 +104,7 @@ def _messages(body: dict, tools: Toolset) -> list[ChatMessage]:
     if not isinstance(inp, list) or not inp:
         raise bad("input", "'input' must be a string or a non-empty list of items")
     prev_open = False           # the last message is an assistant one that calls may join
+    thought = ""                # a reasoning item's text, for the assistant message after it
     for i, item in enumerate(inp):
         at = f"input[{i}]"
         if not isinstance(item, dict):
@@ -113,21 +115,24 @@ def _messages(body: dict, tools: Toolset) -> list[ChatMessage]:
             text = _text(item.get("content"), f"{at}.content", "content")
             if role in ("system", "developer"):
                 text = normalize.system_text(text)
-            out.append(ChatMessage(role=role, content=text))
-            prev_open = role == "assistant"
+            out.append(ChatMessage(role=role, content=text, reasoning=thought if role == "assistant" else ""))
+            prev_open, thought = role == "assistant", ""
         elif kind in CALLS:
             call = _call(item, at, tools)
             if prev_open:
                 last = out[-1]
-                out[-1] = ChatMessage(role="assistant", content=last.content, tool_calls=last.tool_calls + (call,))
+                out[-1] = ChatMessage(role="assistant", content=last.content, tool_calls=last.tool_calls + (call,),
+                                      reasoning=last.reasoning)
             else:
-                out.append(ChatMessage(role="assistant", content="", tool_calls=(call,)))
-            prev_open = True
+                out.append(ChatMessage(role="assistant", content="", tool_calls=(call,), reasoning=thought))
+            prev_open, thought = True, ""
         elif kind in OUTPUTS:
             out.append(ChatMessage(role="tool", content=_text(item.get("output"), f"{at}.output", "'output'"),
                                    tool_call_id=_str(item, "call_id", at)))
             prev_open = False
-        elif kind == "reasoning" or kind in HOSTED_ITEMS:
+        elif kind == "reasoning":   # its text (ours: content; others': summary) goes with the answer after it
+            thought += _reasoning_text(item)
+        elif kind in HOSTED_ITEMS:
             continue            # never produced here; a client may echo one back
         elif kind == "item_reference":
             raise bad(f"{at}.type", "item references need stored responses, and none are kept: "
@@ -136,6 +141,18 @@ def _messages(body: dict, tools: Toolset) -> list[ChatMessage]:
             raise bad(f"{at}.type", f"input item type {kind!r} is not supported; expected message, "
                       "function_call, custom_tool_call or their outputs")
     return out
+
+
+def _reasoning_text(item: dict) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary's (an encrypted
+    one carries none)."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if text:
+                return text
+    return ""
 
 
 def _function(t: dict, at: str, tools: Toolset, namespace: str | None = None) -> None:

@@ -113,7 +113,14 @@ def _message(i: int, msg) -> ChatMessage:
             raise bad(f"{at}.tool_call_id", "a tool message needs a string 'tool_call_id'")
     if (not content if role == "user" else content is None) and not (role == "assistant" and calls):
         raise bad(f"{at}.content", f"{'an' if role[0] in 'aeiou' else 'a'} {role} message needs content")
-    return ChatMessage(role=role, content=content or "", tool_calls=calls, tool_call_id=call_id, name=name)
+    reasoning = ""
+    if role == "assistant":   # an answer's thinking sent back (llama.cpp's and vLLM's field; OpenRouter's)
+        key = "reasoning_content" if msg.get("reasoning_content") is not None else "reasoning"
+        reasoning = msg.get(key) or ""
+        if not isinstance(reasoning, str):
+            raise bad(f"{at}.{key}", f"'{key}' must be a string")
+    return ChatMessage(role=role, content=content or "", tool_calls=calls, tool_call_id=call_id, name=name,
+                       reasoning=reasoning)
 
 
 def _tools(body: dict) -> tuple[str, str]:

@@ -34,6 +34,10 @@ def _message_dict(msg: m.ChatMessage) -> dict:
         d["tool_call_id"] = msg.tool_call_id
     if msg.name:
         d["name"] = msg.name
+    if msg.reasoning:   # Qwen3's templates read reasoning_content; gpt-oss's `thinking`, which it
+        d["reasoning_content"] = msg.reasoning      # refuses beside content on a call's message
+        if not msg.content:
+            d["thinking"] = msg.reasoning
     return d
 
 

@@ -65,3 +65,22 @@ def test_the_next_turn_reuses_the_prompt_before_the_answer(client):
     # answer's text there, which tokenizes with the newline), none of the thinking
     assert r1.usage.prompt_tokens - 5 <= cached < r1.usage.prompt_tokens + r1.usage.completion_tokens, \
         (r1.usage, r2.usage)
+
+
+def test_reasoning_sent_back_is_rendered_and_reused(client):
+    """An agent's loop: the answer's thinking comes back as reasoning_content with its call's
+    result; the template renders it in the block (as Qwen3's does after the last user
+    message), so the next turn reuses the thinking from the live session too."""
+    ask = [{"role": "user", "content": "List the files here."}]
+    r1 = client.chat.completions.create(model="m", messages=ask, max_tokens=24, temperature=0)
+    msg, u1 = r1.choices[0].message, r1.usage
+    assert msg.reasoning_content and u1.completion_tokens_details.reasoning_tokens > 4
+    call = {"id": "call_ls", "type": "function", "function": {"name": "shell", "arguments": '{"cmd": "ls"}'}}
+    turn2 = ask + [{"role": "assistant", "content": msg.content or "", "reasoning_content": msg.reasoning_content,
+                    "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "call_ls", "content": "main.py\nREADME.md"}]
+    r2 = client.chat.completions.create(model="m", messages=turn2, max_tokens=4, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    # the prompt and the thinking (but a token or two where the block's closing meets what was
+    # sampled); without the reasoning the reuse ends before the thinking
+    assert cached >= u1.prompt_tokens + u1.completion_tokens_details.reasoning_tokens - 2, (u1, r2.usage)

@@ -105,3 +105,36 @@ def test_reasoning_effort_reaches_the_request():
         r = post(path, body)
         assert r.status_code == 400 and r.json["error"]["param"] == param, r.json
     assert len(be.requests) == 3
+
+
+def test_reasoning_sent_back_reaches_the_message():
+    """An answer's thinking as each client sends it back: Chat's reasoning_content (or
+    reasoning), a Responses reasoning item before the answer's items, Anthropic thinking
+    blocks; it goes with that assistant message (ChatMessage.reasoning)."""
+    be, post, _ = make(think_script)
+    call = {"id": CID, "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    for key in ("reasoning_content", "reasoning"):
+        post("/v1/chat/completions", {"model": "m", "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "", key: "I should look.",
+                                                "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": CID, "content": "sunny"}]})
+    post("/v1/responses", {"model": "m", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "I should look."}]},
+        {"type": "function_call", "call_id": CID, "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": CID, "output": "sunny"}],
+        "tools": [{"type": "function", **TOOL}]})
+    post("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "I should look.", "signature": ""},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}],
+        "tools": [{"name": "weather", "input_schema": {"type": "object"}}]})
+    assert len(be.requests) == 4
+    for req in be.requests:
+        [answer] = [x for x in req.messages if x.role == "assistant"]
+        assert answer.reasoning == "I should look." and answer.tool_calls, req.messages
+        assert all(not x.reasoning for x in req.messages if x.role != "assistant")
+    r = post("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "reasoning_content": 3}]})
+    assert r.status_code == 400 and r.json["error"]["param"] == "messages[1].reasoning_content"
