@@ -57,6 +57,9 @@ class Settings:
     chat_template_file: str = opt("", "a Jinja chat template used instead of the model's own (as llama.cpp's "
                                   "--chat-template-file); its tool syntax decides how calls are written and parsed",
                                   ("generate", "renderer"))
+    chat_template_kwargs: str = opt("", "a JSON object of extra variables for the chat template in every request "
+                                    "(as llama.cpp's --chat-template-kwargs), e.g. {\"enable_thinking\": false}; a "
+                                    "request's chat_template_kwargs are laid over it", ("generate", "renderer"))
     model_id: str = opt("", "model id served by /v1/models (default: file name without extension)", ("web", "renderer"))
     # process wiring
     run_dir: str = opt("", "directory for sockets and shared-memory names (default: one per user and "

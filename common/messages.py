@@ -59,6 +59,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
                                         # prompt_cache_key, `user`, Anthropic metadata.user_id)
     reasoning_effort: str = ""          # the client's reasoning effort, given to the chat template as
                                         # `reasoning_effort` (gpt-oss's "Reasoning: high"); "": not said
+    template_kwargs: str = ""           # JSON object: the request's extra chat template variables
     received: float = 0.0               # time.monotonic() when the web received it (0: unknown);
                                         # the clock is the host's, shared by every process
 

@@ -8,6 +8,9 @@ state was computed from.
 """
 from __future__ import annotations
 
+# the variables the renderer sets itself, which extra template variables may not replace
+RESERVED_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+
 # Gemma's turns: `<start_of_turn>user|model\n ... <end_of_turn>\n`. Gemma has no system or tool
 # role: a leading system message opens the first user turn (as Google's template does), a later
 # one, and each tool result, is a user turn of its own. The system message alone, without a

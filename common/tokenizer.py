@@ -79,6 +79,7 @@ class TextModel:
     eos_id: int | None
     add_bos: bool
     stop_ids: set[int] = field(default_factory=set)
+    template_kwargs: dict = field(default_factory=dict)   # the server's extra template variables
     # piece_bytes of tuples of ids (the resident sessions' ids the renderer mirrors, asked
     # for at every plan): id(tuple) -> (the tuple, its bytes). A tuple never changes, and the
     # entry holds it, so its id is not reused while the entry lives.
@@ -140,8 +141,24 @@ class TextModel:
         tpl = _compile_template(self.chat_template)
         bos = self.pieces[self.bos_id].decode("utf-8", "replace") if self.bos_id is not None else ""
         eos = self.pieces[self.eos_id].decode("utf-8", "replace") if self.eos_id is not None else ""
-        return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                          bos_token=bos, eos_token=eos, **extra)
+        return tpl.render(**{**self.template_kwargs, **extra}, messages=messages,
+                          add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+
+
+def template_kwargs(text: str, where: str) -> dict:
+    """Extra template variables from JSON text ("" -> none); ValueError saying what is wrong."""
+    if not text:
+        return {}
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"{where}: must be a JSON object")
+    taken = sorted(templates.RESERVED_VARS & set(v))
+    if taken:
+        raise ValueError(f"{where}: {', '.join(taken)} are set by the server")
+    return v
 
 
 def _raise(msg):

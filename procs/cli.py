@@ -10,6 +10,7 @@ def _generate(argv) -> int:
     from common.messages import SamplingParams
     from common.params import ParamError, validate_sampling
     from common.models import ModelError, load_text, resolve
+    from common.tokenizer import template_kwargs
     from procs.inference.loader import ModelLoadError
 
     ap = Settings.parser("generate", "ricordo generate")
@@ -42,6 +43,7 @@ def _generate(argv) -> int:
             raise ValueError("--device cuda: CUDA is not available")
         path = resolve(s.model, s.models_path())
         text = load_text(path, s.chat_template_file)
+        text.template_kwargs = template_kwargs(s.chat_template_kwargs, "--chat-template-kwargs")
         model, ctx, load_s = build(s)
     except (ParamError, ModelError, ModelLoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

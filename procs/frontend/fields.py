@@ -10,6 +10,7 @@ import re
 
 import msgspec
 
+from common import templates
 from common.messages import SamplingParams
 from common.params import ParamError, validate_sampling
 from procs.frontend.errors import ApiError, bad
@@ -100,6 +101,20 @@ def reasoning_effort(body: dict, key: str) -> str:
     if v not in EFFORTS:
         raise bad(key, f"'{key}' must be one of {', '.join(EFFORTS)}")
     return v
+
+
+def template_kwargs(body: dict, key: str) -> str:
+    """The request's extra chat template variables (vLLM's and llama.cpp's chat_template_kwargs)
+    as JSON text; "" when not given."""
+    v = body.get(key)
+    if v is None:
+        return ""
+    if not isinstance(v, dict):
+        raise bad(key, f"'{key}' must be an object")
+    taken = sorted(templates.RESERVED_VARS & set(v))
+    if taken:
+        raise bad(key, f"'{key}' cannot set {', '.join(taken)}: the server sets them")
+    return json_text(v)
 
 
 def session_hint(body: dict, *keys: str) -> str:

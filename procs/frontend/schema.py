@@ -10,7 +10,7 @@ from common.messages import ChatMessage, GenerateRequest, SamplingParams, ToolCa
 from procs.frontend import normalize
 from procs.frontend.errors import bad
 from procs.frontend.fields import (function_tool, get_bool, reasoning_effort, session_hint, get_int, json_text,
-                                   named_choice, message_role, output_format, sampling, stops)
+                                   named_choice, message_role, output_format, sampling, stops, template_kwargs)
 from procs.frontend.flow import Job
 
 MAX_STOPS = 4
@@ -180,6 +180,7 @@ def parse_chat(body: dict, rid: str) -> Job:
                           parallel_tool_calls=get_bool(body, "parallel_tool_calls") is True,
                           session_hint=session_hint(body, "prompt_cache_key", "user"),
                           reasoning_effort=reasoning_effort(body, "reasoning_effort"),
+                          template_kwargs=template_kwargs(body, "chat_template_kwargs"),
                           continue_final=_continue_final(body, messages))
     return Job(req, stream, include_usage=usage)
 

@@ -61,6 +61,8 @@ def _render(text: TextModel, req: m.GenerateRequest, msgs: list[dict], fmt: tool
     that writes the BOS itself (Llama 3's) loses it here: render() puts one in front when the
     model wants it, never two."""
     extra = {"tools": json.loads(req.tools)} if req.tools and fmt.native else {}
+    if req.template_kwargs:       # checked by the web worker (fields.template_kwargs)
+        extra.update(json.loads(req.template_kwargs))
     if req.reasoning_effort:      # a template that does not read it renders as before
         extra["reasoning_effort"] = req.reasoning_effort
     out = text.render_chat(msgs, add_generation_prompt=add_generation_prompt, **extra)
@@ -147,7 +149,8 @@ def prefix_bytes(text: TextModel, req: m.GenerateRequest, prompt: bytes) -> int:
         return 0
     fmt = toolfmt.detect(text.chat_template)
     head = m.GenerateRequest(rid="", kind="chat", sampling=req.sampling, messages=req.messages[:n_lead],
-                             tools=req.tools)
+                             tools=req.tools, reasoning_effort=req.reasoning_effort,
+                             template_kwargs=req.template_kwargs)
     lead = chat_messages(head, None, (), tools.Rendered(), fmt)
     if not lead and not (req.tools and fmt.native):
         return 0

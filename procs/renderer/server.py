@@ -31,6 +31,7 @@ from common.logs import setup
 from common.params import ParamError, validate_sampling
 from common.models import ModelError, context_size, load_text, resolve, served_model_id
 from common.sockets import INFERENCE_JOBS, PERSISTER, RENDERER, RENDERER_EVENTS, address, run_dir
+from common.tokenizer import template_kwargs
 from common.trace import Trace
 from procs.renderer.cache import DiskIndex
 from procs.renderer.answer import Answers, Pending
@@ -59,6 +60,10 @@ class Renderer(Readiness, Answers, Dispatch):
         self.s, self.log = s, log
         path = resolve(s.model, s.models_path())
         self.text = load_text(path, s.chat_template_file)
+        try:
+            self.text.template_kwargs = template_kwargs(s.chat_template_kwargs, "--chat-template-kwargs")
+        except ValueError as e:
+            raise ModelError(str(e)) from None
         self.n_ctx = context_size(path, s.ctx_size, warn=False)   # inference says why
         self.model_id = served_model_id(s.model_id, s.model)
         ctx = zmq.Context.instance()

@@ -62,3 +62,16 @@ def test_an_answer_without_harmony_is_content_whole_and_streamed(client):
     stream = client.chat.completions.create(model="m", messages=ASK, max_tokens=12, temperature=0, stream=True)
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert text == (c.message.content or "")
+
+
+def test_chat_template_kwargs_change_the_prompt(client):
+    """A request's chat_template_kwargs reach the template through the real renderer (here
+    the template's reasoning_effort, written into its system message)."""
+    plain = client.chat.completions.create(model="m", messages=ASK, max_tokens=1, temperature=0)
+    longer = client.chat.completions.create(
+        model="m", messages=ASK, max_tokens=1, temperature=0,
+        extra_body={"chat_template_kwargs": {"reasoning_effort": "as careful as a proof, every step written out"}})
+    assert longer.usage.prompt_tokens >= plain.usage.prompt_tokens + 8, (plain.usage, longer.usage)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=ASK, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})

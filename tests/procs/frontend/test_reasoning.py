@@ -138,3 +138,14 @@ def test_reasoning_sent_back_reaches_the_message():
     r = post("/v1/chat/completions", {"model": "m", "messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "reasoning_content": 3}]})
     assert r.status_code == 400 and r.json["error"]["param"] == "messages[1].reasoning_content"
+
+
+def test_chat_template_kwargs_reach_the_request():
+    be, post, _ = make(think_script)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert post("/v1/chat/completions", {**chat, "chat_template_kwargs": {"enable_thinking": False}}).status_code == 200
+    assert json.loads(be.requests[-1].template_kwargs) == {"enable_thinking": False}
+    for bad in ([1], {"messages": []}, "x"):
+        r = post("/v1/chat/completions", {**chat, "chat_template_kwargs": bad})
+        assert r.status_code == 400 and r.json["error"]["param"] == "chat_template_kwargs", r.json
+    assert len(be.requests) == 1

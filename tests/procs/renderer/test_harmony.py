@@ -199,3 +199,25 @@ def test_the_reasoning_effort_reaches_the_template(text_model):
         req = m.GenerateRequest(rid="r", kind="chat", sampling=m.SamplingParams(), messages=ask,
                                 reasoning_effort=effort)
         assert want in render(text, req).decode()
+
+
+def test_template_variables_from_the_server_and_the_request(text_model):
+    """--chat-template-kwargs for every request, a request's chat_template_kwargs laid over
+    them, reasoning_effort over both; the renderer's own variables cannot be replaced."""
+    import dataclasses
+    from common.tokenizer import template_kwargs
+    from procs.renderer.prompt import render
+    text = dataclasses.replace(text_model, chat_template=TEMPLATE,
+                               template_kwargs=template_kwargs('{"reasoning_effort": "low"}', "x"))
+    ask = (m.ChatMessage(role="user", content="hi"),)
+
+    def effort(**kw):
+        req = m.GenerateRequest(rid="r", kind="chat", sampling=m.SamplingParams(), messages=ask, **kw)
+        out = render(text, req).decode()
+        return out[out.index("Reasoning: ") + 11:].split("\n")[0]
+    assert effort() == "low"
+    assert effort(template_kwargs='{"reasoning_effort": "high"}') == "high"
+    assert effort(template_kwargs='{"reasoning_effort": "high"}', reasoning_effort="minimal") == "minimal"
+    for bad, says in (("[1]", "JSON object"), ("{", "not JSON"), ('{"messages": []}', "set by the server")):
+        with pytest.raises(ValueError, match=says):
+            template_kwargs(bad, "--chat-template-kwargs")
