@@ -83,7 +83,8 @@ class Dispatch:
                                            stop_ids=tuple(sorted(self.text.stop_ids)), vocab=self.text.vocab_size)
         p.stream = TextStream(self.text, p.req.stop)
         if self.call_format.kind == "harmony" and p.req.kind == "chat":   # channels, calls included
-            p.harmony = harmony.Channels(self.call_format.new_id)
+            opened = harmony.opener(tool_choice(p.req) if p.req.tools else "none", bool(p.req.response_format))
+            p.harmony = harmony.Channels(self.call_format.new_id, opened)
         elif p.req.kind == "chat" and thinking.detect(self.text.chat_template):
             p.think = thinking.Think(thinking.opened(p.prompt[-64:].decode("utf-8", "replace")))
         if p.harmony is None and p.req.tools:

@@ -131,14 +131,38 @@ def _call_rules(fns, parallel: bool, fmt: Format) -> str:
     return rules + f"more: {more}\nend: {_seq(fmt.block_close)}\n"
 
 
+def _harmony(fns, choice, fmt: dict | None, specials: frozenset[str]) -> m.Constraint | None:
+    """A Harmony model's constraint, after harmony.opener's text: a named call's arguments, a
+    forced call's name and arguments (its `<|constrain|>` and `<|message|>` as the special
+    tokens where the vocabulary has them, as text otherwise), a format's JSON; auto: None."""
+    def tok(t: str) -> str:
+        return t if t in specials else _lit(t)
+    if isinstance(choice, dict) and fns:
+        _, params, strict = next(f for f in fns if f[0] == choice["function"]["name"])
+        return m.Constraint(grammar="start: args\n" + _json_rule("args", params, strict))
+    if choice == "required" and fns:
+        rules = "start: " + " | ".join(f"c{i}" for i in range(len(fns))) + "\n"
+        for i, (name, params, strict) in enumerate(fns):
+            rules += f"c{i}: {_lit(name + ' ')} {tok('<|constrain|>')} {_lit('json')} {tok('<|message|>')} a{i}\n"
+            rules += _json_rule(f"a{i}", params, strict)
+        return m.Constraint(grammar=rules)
+    if fmt is not None:
+        schema = fmt.get("schema") if fmt.get("type") == "json_schema" else ANY_OBJECT
+        return m.Constraint(grammar="start: fmt\n" + _json_rule("fmt", schema if isinstance(schema, dict) else {},
+                                                               fmt.get("strict") is True))
+    return None
+
+
 def build(tools: list[dict], choice, fmt: dict | None, parallel: bool = False,
-          calls: Format = GENERIC) -> m.Constraint | None:
+          calls: Format = GENERIC, specials: frozenset[str] = frozenset()) -> m.Constraint | None:
     """The request's constraint, or None when generation is free. `choice` is the parsed
     tool_choice (none | auto | required | {"function": {"name": ...}}), `fmt` the
     response_format ({"type": "json_object"} or {"type": "json_schema", "schema": ...});
     `parallel` lets a call be followed by more calls instead of the end of the answer;
-    `calls` is the model's call syntax."""
+    `calls` is the model's call syntax; `specials` the vocabulary's special tokens' texts."""
     fns = _functions(tools) if tools and choice != "none" else []
+    if calls.kind == "harmony":
+        return _harmony(fns, choice, fmt, specials)
     if isinstance(choice, dict) and fns:          # the prompt ends inside the named call
         _, params, strict = next(f for f in fns if f[0] == choice["function"]["name"])
         return m.Constraint(grammar=f"start: {_seq(('args',), calls.tail, calls.block_close)}\n"
@@ -165,8 +189,8 @@ class Checker:
     lenient mode) is called with any JSON object; a strict tool or a response_format it
     cannot use is the client's error."""
 
-    def __init__(self, tok: llguidance.LLTokenizer, size: int = 256):
-        self.tok, self.size = tok, size
+    def __init__(self, tok: llguidance.LLTokenizer, size: int = 256, specials: frozenset[str] = frozenset()):
+        self.tok, self.size, self.specials = tok, size, specials
         self.seen: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def verdict(self, grammar: str) -> str:
@@ -183,7 +207,7 @@ class Checker:
 
     def make(self, tools: list[dict], choice, fmt: dict | None, parallel: bool = False,
              calls: Format = GENERIC) -> m.Constraint | None:
-        c = build(tools, choice, fmt, parallel, calls)
+        c = build(tools, choice, fmt, parallel, calls, self.specials)
         if c is None:
             return None
         err = self.verdict(c.grammar)
@@ -192,10 +216,10 @@ class Checker:
             for t in tools:
                 fn = t.get("function") or {}
                 if fn.get("strict") is not True and isinstance(fn.get("parameters"), dict) \
-                        and self.verdict(build([t], "required", None, calls=calls).grammar):
+                        and self.verdict(build([t], "required", None, calls=calls, specials=self.specials).grammar):
                     t = {**t, "function": {**fn, "parameters": ANY_OBJECT}}
                 fixed.append(t)
-            c = build(fixed, choice, fmt, parallel, calls)
+            c = build(fixed, choice, fmt, parallel, calls, self.specials)
             err = self.verdict(c.grammar)
         if err:
             raise GrammarError("response_format" if fmt is not None else "tools",

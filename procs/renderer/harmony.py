@@ -7,8 +7,13 @@ A header names the message's channel (`<|channel|>analysis`, `final`, `commentar
 call, its recipient (`to=functions.NAME`, before or after the channel; `<|constrain|>json` or
 a bare `json` names the body's type). Routed: analysis -> reasoning; final, and commentary
 with no recipient (a preamble the user sees) -> content; a body sent to a function -> that
-call's arguments, streamed as they grow. Calls are not constrained by a grammar: the model
-writes them in its own syntax, in its own special tokens.
+call's arguments, streamed as they grow.
+
+Under tool_choice auto the model writes its calls in its own syntax, unconstrained. A forced
+call and a response_format open the message in the prompt (opener()): `required` up to the
+function's name, a named function up to its arguments (the body), a format up to the final
+channel's body; grammar.build holds the rest (the name, `<|constrain|>json<|message|>` as the
+model's special tokens, the JSON).
 """
 from __future__ import annotations
 
@@ -27,6 +32,22 @@ def detect(template: str | None) -> bool:
     """A chat template that renders Harmony messages."""
     src = template or ""
     return "<|channel|>" in src and "<|message|>" in src and "<|start|>" in src
+
+
+CALL_HEAD = "<|channel|>commentary to=functions."      # then NAME + ARGS_HEAD + the JSON arguments
+ARGS_HEAD = " <|constrain|>json<|message|>"
+FINAL_HEAD = "<|channel|>final<|message|>"
+
+
+def opener(choice, has_format: bool) -> str:
+    """What the prompt ends with after its `<|start|>assistant`: a forced call's message
+    opened (`required`: to the name; a named function: to its arguments), or the final
+    channel's body for a response_format; "" when the model opens its own messages."""
+    if isinstance(choice, dict):
+        return CALL_HEAD + choice["function"]["name"] + ARGS_HEAD
+    if choice == "required":
+        return CALL_HEAD
+    return FINAL_HEAD if has_format else ""
 
 
 def marker(k: int) -> str:
@@ -59,7 +80,9 @@ def _held(buf: str, marker: str) -> int:
 class Channels:
     """Splits a Harmony answer incrementally into reasoning, content and tool calls."""
 
-    def __init__(self, new_id):
+    def __init__(self, new_id, opened: str = ""):
+        """opened: the opener() the prompt ended with (its call's head, if any, goes out with
+        the first piece; it belongs to the sampled answer the next turn replays)."""
         self.new_id = new_id            # () -> a call id
         self.buf = ""
         self.in_header = True
@@ -69,12 +92,16 @@ class Channels:
         self.messages = 0               # message bodies begun
         self.raw: list[str] = []        # the answer's text as sampled (replay: block())
         self.stop = ""                  # the stop token that ended it (answer.py sets it)
+        self.pending: list[m.ToolCallDelta] = []   # the opened call's head, not yet sent
+        if opened:
+            _, _, self.pending = self.push(opened)
 
     def push(self, text: str) -> tuple[str, str, list[m.ToolCallDelta]]:
         """(reasoning, content, call pieces) of the text so far that is known."""
         self.raw.append(text)
         self.buf += text
-        reasoning, content, pieces = [], [], []
+        reasoning, content, pieces = [], [], self.pending
+        self.pending = []
         while self.buf:
             if self.in_header:
                 i = self.buf.find(MESSAGE)
@@ -106,7 +133,8 @@ class Channels:
         finished is dropped (it carries no text for anyone), unless no message began at all:
         a model that did not write Harmony (a template given to another model) answered in
         plain text, which is content."""
-        reasoning, content, pieces = [], [], []
+        reasoning, content, pieces = [], [], self.pending
+        self.pending = []
         if not self.in_header:
             self._route(self.buf, reasoning, content, pieces)
         elif not self.messages and "<|channel|>" not in self.buf:
@@ -116,8 +144,9 @@ class Channels:
 
     def block(self) -> str | None:
         """The whole answer as the next prompt must hold it (what replay() puts back): its
-        text and the `<|call|>` that ended it; None unless it ended in a call."""
-        return "".join(self.raw) + CALL if self.stop == CALL and self.calls else None
+        text and the `<|call|>` that ended it (another stop token, from a model without
+        Harmony's: the template's `<|call|>` in its place); None unless it ended in a call."""
+        return "".join(self.raw) + CALL if self.stop and self.calls else None
 
     def _header(self, head: str) -> None:
         mc, mt = _CHANNEL.search(head), _TO.search(head)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from common import messages as m
 from common.detok import Detokenizer
 from common.policy import common_prefix
@@ -106,6 +108,8 @@ def render(text: TextModel, req: m.GenerateRequest, memory=None, index_sha1s=(),
             raise PromptError("messages", f"the chat template rejected the messages: {e2}") from None
     if req.continue_final:
         rendered = _cut_after_last(rendered)
+    elif fmt.kind == "harmony":
+        rendered += harmony.opener(tool_choice(req), bool(req.response_format))
     elif req.tools:
         rendered += fmt.opener(tool_choice(req))
     return text.bos_text() + rendered.encode("utf-8", "surrogatepass")
@@ -222,8 +226,27 @@ def plan_reuse(text: TextModel, prompt: bytes, full: list[int], live: list[int],
     live_text = text.piece_bytes(live)      # a tuple's bytes are remembered (TextModel)
     if prompt.startswith(live_text):
         return list(live) + text.encode(prompt[len(live_text):]), n
+    # the live tokens whose text the prompt starts with, when they go further than the ids in
+    # common: the session's text and the prompt part only near its end (a stop token the
+    # template renders otherwise), while the tokens the model sampled part earlier from how
+    # the prompt's text tokenizes
+    j = _text_prefix_tokens(text, live, live_text, prompt)
+    if j > k and j >= min_tokens:
+        return list(live[:j]) + text.encode(prompt[len(text.piece_bytes(live[:j])):]), j
     # the whole prompt inside the live session (a repeated request) is always worth keeping
     return full, (k if k >= min_tokens or k == len(full) else 0)
+
+
+def _text_prefix_tokens(text: TextModel, live, live_text: bytes, prompt: bytes) -> int:
+    """How many of the live tokens have their whole text at the prompt's start."""
+    lo, hi = 0, min(len(live_text), len(prompt))     # bytes in common: lo always, hi + 1 never
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if live_text[:mid] == prompt[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return int(np.searchsorted(text.byte_ends(live), lo, side="right"))
 
 
 def token_logprob(text: TextModel, tok: int, lp: float, top) -> m.TokenLogprob:

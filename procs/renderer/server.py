@@ -84,7 +84,9 @@ class Renderer(Readiness, Answers, Dispatch):
         self.to_persister.setsockopt(zmq.SNDHWM, 1000)
         self.to_persister.connect(address(s, PERSISTER))
         self.index = DiskIndex(s, self.trace)
-        self.grammars = grammar.Checker(guidance.tokenizer(self.text))
+        added = self.text.tokenizer.get_added_tokens_decoder()
+        self.grammars = grammar.Checker(guidance.tokenizer(self.text),
+                                        specials=frozenset(a.content for a in added.values() if a.special))
         self.call_format = toolfmt.detect(self.text.chat_template)   # the model family's call syntax
         self.prompts = PromptEncoder(self.text)
         self.enc = m.encoder()
@@ -234,15 +236,6 @@ class Renderer(Readiness, Answers, Dispatch):
 
     def constrain(self, req: m.GenerateRequest) -> m.Constraint | None:
         if req.kind != "chat" or not (req.tools or req.response_format):
-            return None
-        if self.call_format.kind == "harmony":   # its answer opens with a channel header: no grammar
-            choice = tool_choice(req)
-            if req.response_format:
-                raise grammar.GrammarError("response_format", "response_format is not supported with this "
-                                           "model's Harmony chat format")
-            if choice == "required" or isinstance(choice, dict):
-                raise grammar.GrammarError("tool_choice", "tool_choice 'required' or a named function is not "
-                                           "supported with this model's Harmony chat format (use 'auto')")
             return None
         fmt = json.loads(req.response_format) if req.response_format else None
         return self.grammars.make(json.loads(req.tools) if req.tools else [], tool_choice(req), fmt,

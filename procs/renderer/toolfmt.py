@@ -18,7 +18,7 @@ Families (the format is recognised in the GGUF's own template text, as llama.cpp
 - mistral_args (Mistral Small 3.2, Devstral, tokenizer v11+): `[TOOL_CALLS]name[ARGS]{...}`
   per call.
 - harmony (gpt-oss): reasoning, answer and calls as channels of messages, in its own special
-  tokens (procs/renderer/harmony.py); calls are the model's own, never constrained.
+  tokens (procs/renderer/harmony.py); under auto the calls are the model's own, unconstrained.
 - qwen_xml (Qwen3-Coder, later Qwen templates): `<tool_call>\n<function=NAME>\n` then
   `<parameter=KEY>\nVALUE\n</parameter>\n` per argument, `</function>\n</tool_call>`; a
   string value as it is, any other as JSON (procs/renderer/toolxml.py).
@@ -119,7 +119,7 @@ QWEN_XML = Format("qwen_xml", native=True, trigger="<tool_call>", head_pre="<too
                   tail="</function>\n</tool_call>", sep="\n", close="</tool_call>", kind="xml",
                   value_open="\n", value_close="\n</parameter>\n")
 # OpenAI's Harmony (gpt-oss): calls are messages to `functions.NAME` in the model's own special
-# tokens, read by procs/renderer/harmony.py, never constrained (no opener, no grammar)
+# tokens, read by procs/renderer/harmony.py (which also opens forced ones: harmony.opener)
 HARMONY = Format("harmony", native=True, trigger="to=functions.", kind="harmony")
 # call bodies written as XML of another shape (GLM's <arg_key>), not parsed here
 XML_CALLS = ("<function=", "<parameter=", "<arg_key>")

@@ -92,9 +92,9 @@ def test_a_model_that_writes_no_harmony_answers_in_content():
     assert content == "Hello there, how can I help?" and calls == []
 
 
-def test_the_format_is_recognised_and_never_constrained():
+def test_the_format_is_recognised_and_auto_is_the_models_own():
     assert harmony.detect(TEMPLATE) and toolfmt.detect(TEMPLATE) is toolfmt.HARMONY
-    assert toolfmt.HARMONY.native and toolfmt.HARMONY.opener("auto") == ""
+    assert toolfmt.HARMONY.native and harmony.opener("auto", False) == ""
     for other in ("hermes", "llama3", "mistral", "qwen_xml"):
         src = (Path(__file__).resolve().parents[2] / "data" / "templates" / f"{other}.jinja").read_text()
         assert not harmony.detect(src) and toolfmt.detect(src) is not toolfmt.HARMONY
@@ -188,6 +188,8 @@ def test_a_remembered_call_replays_the_answer_as_sampled(text_model):
     _, _, _, final = _run(_tokens(THINK + FINAL))
     final.stop = "<|return|>"
     assert final.block() is None           # an answer that did not end in a call is not remembered
+    _, _, _, cut = _run(_tokens(THINK + CALL_A[:-3]))
+    assert cut.block() is None             # nor one the token limit cut (no stop token)
 
 
 def test_the_reasoning_effort_reaches_the_template(text_model):
@@ -221,3 +223,49 @@ def test_template_variables_from_the_server_and_the_request(text_model):
     for bad, says in (("[1]", "JSON object"), ("{", "not JSON"), ('{"messages": []}', "set by the server")):
         with pytest.raises(ValueError, match=says):
             template_kwargs(bad, "--chat-template-kwargs")
+
+
+def test_a_forced_call_is_opened_in_the_prompt_and_its_head_sent_first():
+    """A named call: the prompt ends at its arguments; the parser, told so, sends the call's
+    head with the first piece and the arguments as they come; the replayed block holds the
+    opener (the prompt's part of the message) too."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    opened = harmony.opener(named, False)
+    assert opened == "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    assert harmony.opener("required", True) == "<|channel|>commentary to=functions."
+    assert harmony.opener("auto", True) == "<|channel|>final<|message|>"
+    ch = harmony.Channels(lambda: "call_1", opened)
+    r, c, pieces = ch.push('{"city":')
+    assert pieces[0] == m.ToolCallDelta(index=0, id="call_1", name="get_weather") and pieces[1].arguments == '{"city":'
+    ch.push('"Oslo"}')
+    ch.stop = "<|im_end|>"         # a model without Harmony's tokens: its own stop token
+    assert ch.block() == opened + '{"city":"Oslo"}<|call|>'
+    final = harmony.Channels(lambda: "x", harmony.opener("auto", True))
+    assert final.push('{"a": 1}')[1] == '{"a": 1}'
+
+
+def test_forced_calls_take_the_special_tokens_where_the_vocabulary_has_them(tmp_path):
+    """`<|constrain|>` and `<|message|>` are the model's special tokens in a Harmony vocabulary
+    (llguidance matches a special token only by its own syntax) and text in another; the
+    grammar after a `required` opener accepts the name, the header and the JSON."""
+    import llguidance
+    from common import guidance
+    from procs.renderer import grammar
+    names = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+    text, base = _vocab_model(tmp_path, names)
+    specials = frozenset(names)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    c = grammar.build(tools, "required", None, calls=toolfmt.HARMONY, specials=specials)
+    assert "<|constrain|>" in c.grammar and '"<|constrain|>"' not in c.grammar
+    plain = grammar.build(tools, "required", None, calls=toolfmt.HARMONY)
+    assert '"<|constrain|>"' in plain.grammar
+    tok = guidance.tokenizer(text)
+    mt = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(c.grammar), log_level=0)
+    assert not mt.is_error(), mt.get_error()
+    for t in text.encode(b'get_weather <|constrain|>json<|message|>{"city": "Oslo"}'):
+        assert mt.consume_token(t), text.pieces[t]
+    assert mt.is_accepting()
+    assert grammar.build(tools, "auto", None, calls=toolfmt.HARMONY) is None      # the model's own calls
+    fmt = grammar.build([], "none", {"type": "json_object"}, calls=toolfmt.HARMONY)
+    assert fmt.grammar.startswith("start: fmt")
