@@ -69,7 +69,7 @@ def replay(rendered: str, replays: dict[str, str]) -> str | None:
     return rendered
 
 
-def _held(buf: str, marker: str) -> int:
+def held(buf: str, marker: str) -> int:
     """How many chars at the end of buf could begin marker (held back until known)."""
     for k in range(min(len(marker) - 1, len(buf)), 0, -1):
         if buf.endswith(marker[:k]):
@@ -120,7 +120,7 @@ class Channels:
             if i >= 0:
                 body, self.buf = self.buf[:i], self.buf[i + len(END):]
             else:
-                cut = len(self.buf) - _held(self.buf, END)
+                cut = len(self.buf) - held(self.buf, END)
                 body, self.buf = self.buf[:cut], self.buf[cut:]
             self._route(body, reasoning, content, pieces)
             if i < 0:

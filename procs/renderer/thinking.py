@@ -9,6 +9,8 @@ not part of the answer. A `<think>` later in an answer is text.
 """
 from __future__ import annotations
 
+from procs.renderer.harmony import held
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -22,13 +24,6 @@ def opened(prompt: str) -> bool:
     """The generation prompt ends inside a thinking block (its `<think>` not closed)."""
     tail = prompt.rstrip()
     return tail.endswith(OPEN)
-
-
-def _held(buf: str, marker: str) -> int:
-    for k in range(min(len(marker) - 1, len(buf)), 0, -1):
-        if buf.endswith(marker[:k]):
-            return k
-    return 0
 
 
 class Think:
@@ -57,7 +52,7 @@ class Think:
             elif self.state == "in":
                 i = self.buf.find(CLOSE)
                 if i < 0:
-                    cut = len(self.buf) - _held(self.buf, CLOSE)
+                    cut = len(self.buf) - held(self.buf, CLOSE)
                     reasoning += self.buf[:cut]
                     self._skip(cut)
                     break
