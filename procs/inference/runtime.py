@@ -72,7 +72,8 @@ def explain(s: Settings, model) -> str:
                                         " (--decode-kernels torch, or the kernels did not build)")
     else:
         path = "decode: torch's ops on the device"
-    att = "native" if model.prefill_attend is not None else "torch's SDPA"
+    att = "native" if model.prefill_attend is not None else \
+        "torch's ops with sinks" if model.sinks else "torch's SDPA"
     return f"{str(model.dtype).replace('torch.', '')} ({why}); {path}; prefill attention: {att}"
 
 
