@@ -412,4 +412,6 @@ def test_without_replay_less_is_reused(server, tmp_path):
     print(f"turn 2 cached_tokens: {with_replay} with exact replay, {without} without "
           f"(turn 1 prompt {r1.usage.prompt_tokens})")
     assert without < with_replay
-    assert without <= r1.usage.prompt_tokens       # nothing of the sampled call is reused
+    # of the sampled call only what the JSON rendering repeats: the session's tokens whose text
+    # the prompt starts with end where the client's reversed keys begin (its first token or so)
+    assert without <= r1.usage.prompt_tokens + 2
