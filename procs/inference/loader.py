@@ -97,7 +97,7 @@ def rotary_perm(head_dim: int, rope_dims: int) -> torch.Tensor | None:
     """Rows of a head in the order that makes partial rotary embeddings (the first R dims
     rotate, as pairs (i, i + R/2)) rotate-half pairs of the whole head (j, j + D/2): the
     rotated halves first in each half, the pass-through dims after them, whose frequency
-    is zero (model._rotary). Q and K alike, so their dot products are unchanged."""
+    is zero (rope.rotary). Q and K alike, so their dot products are unchanged."""
     if not rope_dims or rope_dims == head_dim:
         return None
     r, p = rope_dims // 2, (head_dim - rope_dims) // 2

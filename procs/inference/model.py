@@ -26,6 +26,7 @@ from procs.inference.moe import MoE, swiglu_oai
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
 from procs.inference.native import QUANTIZED
 from procs.inference.packcache import PackCache
+from procs.inference.rope import rotary
 from procs.inference.torch_attention import causal_mask as _mask, decode_attention as _decode_attention, sink_attention
 
 
@@ -205,27 +206,8 @@ class Llama:
             a = self.rope_rows
             b = min(a + ROPE_BLOCK, self.max_context)
             for (cos, sin), (theta, factors, attn) in zip(self.rope, self.rope_specs):
-                cos[a:b], sin[a:b] = self._rotary(theta, factors, a, b - a, attn)
+                cos[a:b], sin[a:b] = rotary(self.cfg, theta, factors, a, b - a, attn, self.dtype, self.device)
             self.rope_rows = b
-
-    def _rotary(self, theta: float, factors, start: int, n: int, attn_factor: float = 1.0):
-        c = self.cfg
-        rot = c.rope_dims or c.head_dim
-        inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
-        if factors:   # RoPE scaling: per-frequency divisors (loader.ModelConfig)
-            inv = inv / torch.tensor(factors, dtype=torch.float64)
-        # partial rotary: the pass-through pairs (after the loader's row permutation) turn at
-        # frequency 0 and are not scaled (cos 1, sin 0: exact)
-        scale = torch.full((c.head_dim // 2,), float(attn_factor), dtype=torch.float64)
-        scale[rot // 2:] = 1.0
-        inv = torch.cat([inv, inv.new_zeros(c.head_dim // 2 - rot // 2)])
-        ang = torch.outer(torch.arange(start, start + n, dtype=torch.float64), inv)   # [n, D/2]
-        cos, sin = ang.cos() * scale, ang.sin() * scale    # each half of the table once (it repeats)
-        # sin with rotate-half's sign folded in: x*cos + roll(x, D/2)*sin equals
-        # x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in fewer ops
-        # YaRN's attention factor scales both tables, as transformers does: q.k gains its square
-        return (torch.cat([cos, cos], dim=-1).to(self.device, self.dtype),
-                torch.cat([-sin, sin], dim=-1).to(self.device, self.dtype))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; cos/sin: [T, 1, D] (sin signed, see __init__)

@@ -15,6 +15,7 @@ from common.messages import SamplingParams
 from common.params import ParamError, validate_sampling
 from procs.inference.loader import ModelLoadError, load
 from procs.inference.kvsession import KVSession
+from procs.inference.rope import rotary
 from procs.inference.native import MAT_BF16, MAT_F32, MAT_Q4
 from procs.inference.runtime import pick_dtype
 from procs.inference.sampling import Sampler
@@ -106,7 +107,7 @@ def test_rotary_tables_fill_as_positions_are_reached(model_path):
     assert m.rope_rows == 2 * ROPE_BLOCK
     cos, sin = m.rope[0]
     theta, factors, attn = m.rope_specs[0]
-    c2, s2 = m._rotary(theta, factors, ROPE_BLOCK, ROPE_BLOCK, attn)
+    c2, s2 = rotary(m.cfg, theta, factors, ROPE_BLOCK, ROPE_BLOCK, attn, m.dtype, m.device)
     assert torch.equal(cos[ROPE_BLOCK:2 * ROPE_BLOCK], c2) and torch.equal(sin[ROPE_BLOCK:2 * ROPE_BLOCK], s2)
     p, j = 1500, 7                                       # position, frequency
     ang = p / theta ** (2 * j / m.cfg.head_dim)
