@@ -1,6 +1,6 @@
 """Dispatch: which queued request goes to inference next, and the job it becomes. A mixin of
 Renderer (procs/renderer/server.py), whose state it uses: s, text, n_ctx, index, inference,
-queue, running, live, hints, trace, call_format, last_heard, ping_seq, to_inference, lacks.
+queue, running, live, hints, trace, call_format, thinks, last_heard, ping_seq, to_inference, lacks.
 Invariant: a job is planned when it is sent, against the sessions as they will be while the
 other running jobs go on (a session one of them uses is a copy source, never continued)."""
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Dispatch:
         if self.call_format.kind == "harmony" and p.req.kind == "chat":   # channels, calls included
             opened = harmony.opener(tool_choice(p.req) if p.req.tools else "none", bool(p.req.response_format))
             p.harmony = harmony.Channels(self.call_format.new_id, opened)
-        elif p.req.kind == "chat" and thinking.detect(self.text.chat_template):
+        elif p.req.kind == "chat" and self.thinks:
             p.think = thinking.Think(thinking.opened(p.prompt[-64:].decode("utf-8", "replace")))
         if p.harmony is None and p.req.tools:
             choice = tool_choice(p.req)

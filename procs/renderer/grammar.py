@@ -147,10 +147,14 @@ def _harmony(fns, choice, fmt: dict | None, specials: frozenset[str]) -> m.Const
             rules += _json_rule(f"a{i}", params, strict)
         return m.Constraint(grammar=rules)
     if fmt is not None:
-        schema = fmt.get("schema") if fmt.get("type") == "json_schema" else ANY_OBJECT
-        return m.Constraint(grammar="start: fmt\n" + _json_rule("fmt", schema if isinstance(schema, dict) else {},
-                                                               fmt.get("strict") is True))
+        return m.Constraint(grammar="start: fmt\n" + _format_rule(fmt))
     return None
+
+
+def _format_rule(fmt: dict) -> str:
+    """`fmt`: a response_format's JSON (json_object: any object)."""
+    schema = fmt.get("schema") if fmt.get("type") == "json_schema" else ANY_OBJECT
+    return _json_rule("fmt", schema if isinstance(schema, dict) else {}, fmt.get("strict") is True)
 
 
 def build(tools: list[dict], choice, fmt: dict | None, parallel: bool = False,
@@ -170,8 +174,7 @@ def build(tools: list[dict], choice, fmt: dict | None, parallel: bool = False,
     if choice == "required" and fns:              # the prompt ends with the block's opener
         return m.Constraint(grammar="start: call more end\n" + _call_rules(fns, parallel, calls))
     if fmt is not None:
-        schema = fmt.get("schema") if fmt.get("type") == "json_schema" else ANY_OBJECT
-        body = _json_rule("fmt", schema if isinstance(schema, dict) else {}, fmt.get("strict") is True)
+        body = _format_rule(fmt)
         if fns:                                   # auto: the answer is the format or calls
             return m.Constraint(grammar=f"start: fmt | {_seq(calls.trigger)} first more end\n" + body
                                 + _call_rules(fns, parallel, calls))

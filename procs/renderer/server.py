@@ -39,7 +39,7 @@ from procs.renderer.dispatch import Dispatch
 from procs.renderer.readiness import Readiness
 from common import guidance
 from procs.renderer.encoding import PromptEncoder
-from procs.renderer import grammar, toolfmt, tools
+from procs.renderer import grammar, thinking, toolfmt, tools
 from procs.renderer.prompt import PromptError, render, tool_choice
 
 JOB_SILENCE_S = 120.0     # a running job with no event for this long is failed (lost job)
@@ -88,6 +88,7 @@ class Renderer(Readiness, Answers, Dispatch):
         self.grammars = grammar.Checker(guidance.tokenizer(self.text),
                                         specials=frozenset(a.content for a in added.values() if a.special))
         self.call_format = toolfmt.detect(self.text.chat_template)   # the model family's call syntax
+        self.thinks = thinking.detect(self.text.chat_template)       # answers may open with <think>
         self.prompts = PromptEncoder(self.text)
         self.enc = m.encoder()
         self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.EventsIn)

@@ -41,6 +41,8 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
+from procs.renderer import harmony
+
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -130,7 +132,7 @@ def detect(template: str | None) -> Format:
     """The format a chat template speaks. A template that never reads `tools` cannot render
     them: the generic format, whatever tokens it mentions."""
     src = template or ""
-    if "<|channel|>" in src and "<|message|>" in src and "<|start|>" in src:
+    if harmony.detect(src):
         return HARMONY
     if "tools" not in src:
         return GENERIC
