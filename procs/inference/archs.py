@@ -8,6 +8,7 @@ is a per-frequency divisor that the model folds into its rotary table once (proc
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -41,6 +42,11 @@ class Arch:
     o_bias: bool = False
     sinks: bool = False
     expert_bias: bool = False
+    # GLM-4.5: a shared expert beside the routed ones, and a per-expert bias added to the
+    # router's sigmoid scores for choosing (not for weighting) them
+    shared_expert: bool = False
+    score_bias: bool = False
+    partial_rope: bool = False       # the GGUF's rope.dimension_count may be under head_dim
     # GGUF tensor names that differ from LAYER_TENSORS' (ours -> GGUF suffix)
     gguf_names: tuple[tuple[str, str], ...] = ()
 
@@ -77,6 +83,14 @@ ARCHS["gpt-oss"] = ARCHS["gpt_oss"] = Arch(
               ("gate_exps", "mlp.experts.gate_proj"), ("up_exps", "mlp.experts.up_proj"),
               ("down_exps", "mlp.experts.down_proj"), ("gate_exps_b", "mlp.experts.gate_proj_bias"),
               ("up_exps_b", "mlp.experts.up_proj_bias"), ("down_exps_b", "mlp.experts.down_proj_bias")),
+    gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
+# GLM-4.5 / 4.6 / 4.7 (Air too): Llama attention over the first half of each head's dims
+# (partial RoPE, NeoX pairs), q/k/v biases and q/k norms where the config sets them
+# (glm_variant), the first layers dense, the others routed experts by sigmoid scores plus a
+# shared expert; its MTP layers (nextn) are not run. llama.cpp names the MLP's norm
+# post_attention_norm.
+ARCHS["glm4moe"] = ARCHS["glm4_moe"] = Arch(
+    "glm4moe", gguf_permuted_qk=False, moe=True, shared_expert=True, score_bias=True, partial_rope=True,
     gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
 GPT_OSS_SWA_PATTERN = 2         # layer i slides when i % 2 == 0 (transformers' layer_types default)
 # Gemma 3: every 6th layer attends globally, the others over a sliding window with their own
@@ -119,6 +133,11 @@ LAYER_TENSORS = {
     "gate_exps_b": ("mlp.experts.{e}.gate_proj.bias", "ffn_gate_exps.bias"),
     "up_exps_b": ("mlp.experts.{e}.up_proj.bias", "ffn_up_exps.bias"),
     "down_exps_b": ("mlp.experts.{e}.down_proj.bias", "ffn_down_exps.bias"),
+    # GLM-4.5 (Arch.shared_expert, score_bias)
+    "router_sb": ("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
+    "w_gate_sh": ("mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"),
+    "w_up_sh": ("mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight"),
+    "w_down_sh": ("mlp.shared_experts.down_proj.weight", "ffn_down_shexp.weight"),
 }
 # Tensors of the layers that change the math, which an architecture without them must not
 # silently drop (a Llama with attention_bias, say): present but unused is a load error.
@@ -132,12 +151,18 @@ def arch_of(name: str, where: str) -> Arch:
     return ARCHS[name]
 
 
-def layer_names(arch: Arch) -> list[str]:
-    """Our per-layer tensor names this architecture needs, all of them required."""
+def layer_names(arch: Arch, dense: bool = False) -> list[str]:
+    """Our per-layer tensor names this architecture needs, all of them required; dense: a
+    layer with one MLP where the others have experts (GLM-4.5's first layers)."""
     if arch.fused:
         return ["attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"]
     names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm"]
-    names += ["router", "gate_exps", "up_exps", "down_exps"] if arch.moe else ["w_gate", "w_up", "w_down"]
+    experts = arch.moe and not dense
+    names += ["router", "gate_exps", "up_exps", "down_exps"] if experts else ["w_gate", "w_up", "w_down"]
+    if experts and arch.shared_expert:
+        names += ["w_gate_sh", "w_up_sh", "w_down_sh"]
+    if experts and arch.score_bias:
+        names += ["router_sb"]
     if arch.qkv_bias:
         names += ["bq", "bk", "bv"]
     if arch.o_bias:
@@ -170,7 +195,8 @@ def tensor_name(arch: Arch, ours: str, fmt: int) -> str:
 def unused_math(arch: Arch, present: set[str], fmt: int) -> list[str]:
     """Per-layer tensors present (suffixes as in LAYER_TENSORS[..][fmt]) that change the math
     but that this architecture would not read."""
-    used = {tensor_name(arch, n, fmt) for n in layer_names(arch)}
+    names = layer_names(arch) + (layer_names(arch, dense=True) if arch.shared_expert else [])
+    used = {tensor_name(arch, n, fmt) for n in names}
     known = {v[fmt] for v in LAYER_TENSORS.values()} | MATH_EXTRAS | \
         {v for _, v in (arch.hf_names if fmt == 0 else arch.gguf_names)}
     present = {re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{e}.", s) for s in present}
@@ -265,6 +291,58 @@ def gguf_gpt_oss(meta: dict, prefix: str, n_layers: int) -> dict:
     window = int(meta.get(prefix + "attention.sliding_window", 0))
     windows = tuple(window if i % GPT_OSS_SWA_PATTERN == 0 else 0 for i in range(n_layers)) if window else ()
     return dict(windows=windows, swiglu_alpha=1.702, swiglu_limit=7.0)
+
+
+def glm_variant(arch: Arch, qkv_bias: bool, qk_norm: bool) -> Arch:
+    """GLM-4.5's attention biases and q/k norms are per model (config's attention_bias and
+    use_qk_norm; in a GGUF, the tensors' presence): the same math name either way, the
+    tensors themselves tell the fingerprint apart."""
+    return dataclasses.replace(arch, qkv_bias=qkv_bias, qk_norm=qk_norm)
+
+
+def hf_glm4moe(c: dict, head_dim: int, where: str) -> dict:
+    """GLM-4.5's ModelConfig fields from a config.json, as transformers' Glm4Moe reads them:
+    RoPE over the first partial_rotary_factor of each head (0.5 in every release), routed
+    experts (n_routed_experts) chosen by sigmoid score plus bias within the best topk_group
+    of n_group groups, their weights renormalized (norm_topk_prob) and scaled
+    (routed_scaling_factor), the first first_k_dense_replace layers dense."""
+    rp = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    partial = float(rp.pop("partial_rotary_factor", None) or c.get("partial_rotary_factor") or 1.0)
+    dims = int(head_dim * partial)
+    theta, factors, attn = hf_rope({**c, "partial_rotary_factor": None, "rope_parameters": rp}, dims, where)
+    n = c.get("n_routed_experts", c.get("num_local_experts"))
+    if not n or not c.get("num_experts_per_tok") or not c.get("moe_intermediate_size"):
+        raise ModelLoadError(f"{where}: a mixture of experts needs n_routed_experts, num_experts_per_tok "
+                             f"and moe_intermediate_size")
+    if int(c.get("n_shared_experts") or 0) < 1:
+        raise ModelLoadError(f"{where}: GLM's experts without a shared expert are not supported")
+    return dict(rope_theta=theta, rope_factors=factors, rope_attn_factor=attn, rope_dims=dims if dims != head_dim else 0,
+                ffn_dim=int(c["moe_intermediate_size"]), n_experts=int(n), n_experts_used=int(c["num_experts_per_tok"]),
+                moe_norm_topk=bool(c.get("norm_topk_prob", True)), moe_gating="sigmoid",
+                moe_scale=float(c.get("routed_scaling_factor") or 1.0),
+                moe_groups=int(c.get("n_group") or 1), moe_groups_used=int(c.get("topk_group") or 1),
+                dense_layers=int(c.get("first_k_dense_replace") or 0))
+
+
+def gguf_glm4moe(meta: dict, prefix: str, where: str) -> dict:
+    """The same from GGUF metadata, as llama.cpp's glm4moe reads it (sigmoid gating when the
+    file names none; groups where the file sets them, as the converter does for n_group > 1)."""
+    get = lambda k, d=None: meta.get(prefix + k, d)
+    if int(get("expert_gating_func", 2)) != 2:
+        raise ModelLoadError(f"{where}: GLM's experts with softmax gating are not supported")
+    if not int(get("expert_shared_count", 0)):
+        raise ModelLoadError(f"{where}: GLM's experts without a shared expert are not supported")
+    try:
+        return dict(ffn_dim=int(meta[prefix + "expert_feed_forward_length"]),
+                    n_experts=int(meta[prefix + "expert_count"]),
+                    n_experts_used=int(meta[prefix + "expert_used_count"]),
+                    moe_norm_topk=bool(get("expert_weights_norm", False)), moe_gating="sigmoid",
+                    moe_scale=float(get("expert_weights_scale", 1.0)) or 1.0,
+                    moe_groups=int(get("expert_group_count", 1)) or 1,
+                    moe_groups_used=int(get("expert_group_used_count", 1)) or 1,
+                    dense_layers=int(get("leading_dense_block_count", 0)))
+    except KeyError as e:
+        raise ModelLoadError(f"{where}: missing GGUF field {e}") from None
 
 
 def gemma3_layers(n_layers: int, window: int, pattern: int = GEMMA3_SWA_PATTERN,

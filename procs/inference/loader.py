@@ -22,9 +22,9 @@ import torch
 from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
                                           mxfp4_rows, q4_parts, q8_parts)
-from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_gpt_oss, gguf_moe,
-                                   gguf_rope, hf_gemma3, hf_gpt_oss, hf_moe, hf_phi3, hf_rope, layer_names,
-                                   tensor_name, unused_math)
+from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, glm_variant, gguf_gemma3, gguf_glm4moe,
+                                   gguf_gpt_oss, gguf_moe, gguf_rope, hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_moe,
+                                   hf_phi3, hf_rope, layer_names, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
@@ -72,6 +72,14 @@ class ModelConfig:
     # [-limit, limit], out = gate * sigmoid(alpha * gate) * (up + 1)
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    # GLM-4.5's router (procs/inference/moe.py): "sigmoid" scores plus a per-expert bias pick
+    # the experts, within the best moe_groups_used of moe_groups groups; their weights times
+    # moe_scale. The first dense_layers layers have one dense MLP instead of experts.
+    moe_gating: str = "softmax"
+    moe_scale: float = 1.0
+    moe_groups: int = 1
+    moe_groups_used: int = 1
+    dense_layers: int = 0
 
 
 @dataclass
@@ -105,6 +113,14 @@ def rotary_perm(head_dim: int, rope_dims: int) -> torch.Tensor | None:
                       torch.arange(r, 2 * r), torch.arange(2 * r + p, head_dim)])
 
 
+ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")   # per-head rows that rotary_perm reorders
+
+
+def rotary_rows(t: torch.Tensor, head_dim: int, perm: torch.Tensor) -> torch.Tensor:
+    """t's rows (or a [D] norm's values) reordered by perm within each head."""
+    return t.reshape(-1, head_dim, *t.shape[1:])[:, perm].reshape(t.shape)
+
+
 def _split_fused(d: dict, cfg: ModelConfig) -> None:
     """Replace each layer's fused tensors (archs.fused_rows) in d by their row ranges. In a
     Lazy dict each range is made when first read, from the fused value made once and
@@ -114,7 +130,7 @@ def _split_fused(d: dict, cfg: ModelConfig) -> None:
 
     def rows(v, a: int, b: int, ours: str = ""):
         one = lambda t: t[a:b].clone() if perm is None or ours not in ("wq", "wk") else \
-            t[a:b].reshape(-1, cfg.head_dim, *t.shape[1:])[:, perm].reshape(b - a, *t.shape[1:])
+            rotary_rows(t[a:b], cfg.head_dim, perm)
         return one(v) if isinstance(v, torch.Tensor) else tuple(one(t) for t in v)
     for fused, parts in fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim).items():
         for i in range(cfg.n_layers):
@@ -195,9 +211,15 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     main_type = max(types, key=types.get)
     head_dim = int(m.get(p + "attention.key_length", dim // n_heads))
     rf = dequant(g, "rope_freqs.weight").tolist() if "rope_freqs.weight" in g.tensors else None
-    rope_dims = int(m.get(p + "rope.dimension_count", head_dim)) if arch.fused else head_dim
+    rope_dims = int(m.get(p + "rope.dimension_count", head_dim)) if arch.fused or arch.partial_rope else head_dim
     theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path, truncate=arch.name != "gpt-oss")
-    extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
+    n_layers = int(m[p + "block_count"])
+    if arch.shared_expert:
+        arch = glm_variant(arch, "blk.0.attn_q.bias" in g.tensors, "blk.0.attn_q_norm.weight" in g.tensors)
+        extra = {**gguf_glm4moe(m, p, path), "rope_dims": rope_dims if rope_dims != head_dim else 0}
+        n_layers -= int(m.get(p + "nextn_predict_layers", 0))     # MTP layers, not run
+    else:
+        extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
     if arch.name == "gpt-oss":
         extra.update(gguf_gpt_oss(m, p, int(m[p + "block_count"])))
     if arch.name == "gemma3":
@@ -205,7 +227,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     if arch.fused:
         extra.update(_gguf_phi3(g, p, head_dim, rope_dims, path))
     cfg = ModelConfig(
-        n_layers=int(m[p + "block_count"]), dim=dim,
+        n_layers=n_layers, dim=dim,
         n_heads=n_heads, n_kv_heads=int(m.get(p + "attention.head_count_kv", n_heads)),
         head_dim=head_dim, vocab_size=int(emb.shape[1]), rope_theta=theta,
         norm_eps=float(m[p + "attention.layer_norm_rms_epsilon"]),
@@ -215,11 +237,13 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     _check_unused(arch, g.tensors, r"blk\.\d+\.", 1, path)
     names = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
     for i in range(cfg.n_layers):
-        for ours in layer_names(arch):
+        for ours in layer_names(arch, i < cfg.dense_layers):
             names[f"blk.{i}.{tensor_name(arch, ours, 1)}"] = f"layers.{i}.{ours}"
     # rows of Q per query head, of K per key/value head, when permuted (no permuted
     # architecture has q/k biases: archs.layer_names)
     permuted = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if arch.gguf_permuted_qk else {}
+    perm = rotary_perm(cfg.head_dim, cfg.rope_dims) if arch.partial_rope else None
+    keep_f32 = ("router", "router_sb") if arch.score_bias else ()     # sigmoid routing reads them in f32
     tensors, q4, q8, q8p, norms = Lazy(), Lazy(), set(), Lazy(), {}
     for gname, ours in names.items():
         if gname not in g.tensors:
@@ -229,22 +253,27 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         info = g.tensors[gname]
         if ours.endswith("_exps") and info.shape[-1] != cfg.n_experts:
             raise ModelLoadError(f"{path}: {gname} holds {info.shape[-1]} experts, not {cfg.n_experts}")
-        heads = permuted.get(ours.rsplit(".", 1)[-1])
+        short = ours.rsplit(".", 1)[-1]
+        heads = permuted.get(short)
+        rot = perm if perm is not None and short in ROTATED else None
+        f32 = ours.endswith("norm") or short in keep_f32
 
-        def dense(gname=gname, heads=heads, to=torch.float32 if ours.endswith("norm") else dtype):
+        def dense(gname=gname, heads=heads, rot=rot, to=torch.float32 if f32 else dtype):
             w = dequant_to(g, gname, to)          # norms in f32: they are fingerprinted
             g.release(gname)
-            return (_unpermute(w, heads) if heads else w).to(device=device)
-        if ours.endswith("norm"):
-            norms[ours] = dense()
-            tensors[ours] = norms[ours].to(dtype)
+            w = _unpermute(w, heads) if heads else w
+            return (w if rot is None else rotary_rows(w, cfg.head_dim, rot)).to(device=device)
+        if ours.endswith("norm"):     # fingerprinted as stored; q/k norms reordered after
+            norms[ours] = dense(rot=None)
+            tensors[ours] = (norms[ours] if rot is None else rotary_rows(norms[ours], cfg.head_dim, rot)).to(dtype)
         else:
             tensors.later(ours, dense)
         # a quantized source's parts (rows of levels, per-group scales...) in HF row order
-        def parts(read, gname=gname, heads=heads):
+        def parts(read, gname=gname, heads=heads, rot=rot):
             x = read(g, gname)
             g.release(gname)
-            return tuple(_unpermute(t, heads) for t in x) if heads else x
+            x = tuple(_unpermute(t, heads) for t in x) if heads else x
+            return x if rot is None else tuple(rotary_rows(t, cfg.head_dim, rot) for t in x)
         if info.type_name in INT4_TYPES and len(info.shape) == 2:
             q4.later(ours, lambda parts=parts: parts(q4_parts))
         elif info.type_name in INT8_TYPES:
@@ -341,9 +370,12 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     if arch.name == "gpt-oss":
         extra = hf_gpt_oss(c, head_dim, path)
         _gpt_oss_experts(st)
+    elif arch.shared_expert:
+        arch = glm_variant(arch, bool(c.get("attention_bias")), bool(c.get("use_qk_norm")))
+        extra = hf_glm4moe(c, head_dim, path)
     elif arch.name != "gemma3" and not arch.fused:
         extra = dict(zip(("rope_theta", "rope_factors", "rope_attn_factor"), hf_rope(c, head_dim, path)))
-    if arch.name != "gpt-oss":
+    if arch.name != "gpt-oss" and not arch.shared_expert:
         extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))
     if arch.fused and c.get("sliding_window"):
         extra["windows"] = (int(c["sliding_window"]),) * c["num_hidden_layers"]
@@ -357,7 +389,7 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
              "lm_head.weight": "lm_head"}
     for i in range(cfg.n_layers):
-        for ours in layer_names(arch):
+        for ours in layer_names(arch, i < cfg.dense_layers):
             names[f"model.layers.{i}.{tensor_name(arch, ours, 0)}"] = f"layers.{i}.{ours}"
     tensors, norms = {}, {}
     for hf, ours in names.items():
@@ -372,7 +404,11 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         if ours.endswith("norm"):   # as a GGUF stores it: Gemma's (1 + w) folded in
             w = w.float() + arch.hf_norm_offset
             norms[ours] = w
-        tensors[ours] = w.to(device=device, dtype=dtype)
+        f32 = arch.score_bias and ours.rsplit(".", 1)[-1] in ("router", "router_sb")   # read in f32
+        tensors[ours] = w.to(device=device, dtype=torch.float32 if f32 else dtype)
+    perm = rotary_perm(cfg.head_dim, cfg.rope_dims) if arch.partial_rope else None
+    for name in [n for n in tensors if perm is not None and n.rsplit(".", 1)[-1] in ROTATED]:
+        tensors[name] = rotary_rows(tensors[name], cfg.head_dim, perm)
     if arch.fused:
         _split_fused(tensors, cfg)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})

@@ -44,7 +44,7 @@ class Layer(NamedTuple):
     wo: Linear
     post_attn_norm: torch.Tensor | None    # Gemma 3: RMSNorm on the attention output
     ffn_norm: torch.Tensor
-    wgu: Linear | None                     # the dense MLP, or None where moe is set
+    wgu: Linear | None                     # the dense MLP; with moe, None or the shared expert
     wd: Linear | None
     moe: MoE | None                        # Qwen3 MoE: experts in place of the dense MLP
     post_ffn_norm: torch.Tensor | None     # Gemma 3: RMSNorm on the MLP output
@@ -109,7 +109,11 @@ class Llama:
                 if p + "router_b" in t else None
             act = swiglu_oai(c.swiglu_alpha, c.swiglu_limit) if c.act == "swiglu_oai" else None
             moe = MoE(*(t[p + n] for n in ("router", "gate_exps", "up_exps", "down_exps")),
-                      c.n_experts_used, c.moe_norm_topk, biases, act) if c.n_experts else None
+                      c.n_experts_used, c.moe_norm_topk, biases, act, c.moe_gating, t.get(p + "router_sb"),
+                      c.moe_scale, (c.moe_groups, c.moe_groups_used)) if p + "router" in t else None
+            # the dense MLP, or beside the experts the shared one (GLM-4.5)
+            mlp = ("w_gate_sh", "w_up_sh", "w_down_sh") if p + "w_gate_sh" in t else \
+                (None, None, None) if moe else ("w_gate", "w_up", "w_down")
             self.layers.append(Layer(
                 t[p + "attn_norm"],
                 fused("wq", "wk", "wv"),                       # [(H+2KV)*D, dim]
@@ -118,8 +122,8 @@ class Llama:
                 fused("wo"),
                 t.get(p + "post_attn_norm"),
                 t[p + "ffn_norm"],
-                None if moe else fused("w_gate", "w_up"),      # [2*ffn, dim]
-                None if moe else fused("w_down"),
+                fused(*mlp[:2]) if mlp[0] else None,            # [2*ffn, dim]
+                fused(mlp[2]) if mlp[0] else None,
                 moe,
                 t.get(p + "post_ffn_norm"),
                 window,
@@ -363,11 +367,11 @@ class Llama:
                 o = F.rms_norm(o, (c.dim,), ly.post_attn_norm, c.norm_eps)
             x = x + o
             h = F.rms_norm(x, (c.dim,), ly.ffn_norm, c.norm_eps)
-            if ly.moe is not None:
-                o = ly.moe(h, mm)                                    # only the chosen experts
-            else:
+            o = ly.moe(h, mm) if ly.moe is not None else None       # only the chosen experts
+            if ly.wgu is not None:                                   # dense, or the shared expert
                 g, u = lin(ly.wgu, h).chunk(2, dim=-1)               # [T, ffn] each
-                o = lin(ly.wd, self.act(g) * u)
+                d = lin(ly.wd, self.act(g) * u)
+                o = d if o is None else o + d
             if ly.post_ffn_norm is not None:
                 o = F.rms_norm(o, (c.dim,), ly.post_ffn_norm, c.norm_eps)
             x = x + o

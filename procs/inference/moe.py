@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP (Qwen3 MoE, gpt-oss): a router picks k of E gated experts per token.
+"""A mixture-of-experts MLP (Qwen3 MoE, gpt-oss, GLM-4.5): a router picks k of E gated experts per token.
 
 Only the chosen experts' weights are read: the (token, choice) pairs are grouped by expert
 and each expert that some token chose runs once on its tokens' rows, so a decode step reads
@@ -28,10 +28,14 @@ def swiglu_oai(alpha: float, limit: float) -> Callable[[torch.Tensor, torch.Tens
 
 class MoE:
     def __init__(self, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 k: int, norm_topk: bool, biases: tuple | None = None, act=None):
+                 k: int, norm_topk: bool, biases: tuple | None = None, act=None, gating: str = "softmax",
+                 score_bias: torch.Tensor | None = None, scale: float = 1.0, groups: tuple[int, int] = (1, 1)):
         """router [E, dim]; gate and up [E, ffn, dim]; down [E, dim, ffn]; biases (gpt-oss):
         (router [E], gate [E, ffn], up [E, ffn], down [E, dim]) or None; act(gate, up): the
-        gated activation (default SiLU(gate) * up)."""
+        gated activation (default SiLU(gate) * up). gating "sigmoid" (GLM-4.5): the router,
+        f32, scores each expert by sigmoid, score_bias [E] is added for choosing only, the
+        choice is made within the best groups[1] of groups[0] groups, and the chosen
+        weights are times scale."""
         self.router = router
         self.gate_up = torch.cat([gate, up], dim=1).contiguous()     # [E, 2*ffn, dim]
         self.down = down.contiguous()
@@ -42,9 +46,26 @@ class MoE:
             self.gate_up_b = torch.cat([biases[1], biases[2]], dim=1).contiguous()   # [E, 2*ffn]
             self.down_b = biases[3]
         self.act = act or (lambda g, u: F.silu(g) * u)
+        self.sigmoid = gating == "sigmoid"
+        self.score_bias = None if score_bias is None else score_bias.float()
+        self.scale, self.groups = scale, groups
 
-    def __call__(self, h: torch.Tensor, mm: MatMul) -> torch.Tensor:
-        T, dim = h.shape
+    def route(self, h: torch.Tensor, mm: MatMul) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] f32, experts [T, k]) for the rows h [T, dim]."""
+        if self.sigmoid:   # transformers' Glm4MoeTopkRouter, llama.cpp's sigmoid gating
+            probs = torch.sigmoid(mm(h.float(), self.router))                  # [T, E]
+            score = probs if self.score_bias is None else probs + self.score_bias
+            n, used = self.groups
+            if n > 1:      # a group's score: its two best; experts outside the best `used` groups drop
+                g = score.view(len(h), n, -1)
+                best = g.topk(2, dim=-1).values.sum(dim=-1).topk(used, dim=-1).indices
+                keep = torch.zeros(len(h), n, dtype=torch.bool, device=h.device).scatter_(1, best, True)
+                score = g.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(len(h), -1)
+            chosen = score.topk(self.k, dim=-1).indices
+            weight = probs.gather(1, chosen)
+            if self.norm_topk:
+                weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+            return weight * self.scale, chosen
         # softmax over all E in f32, then the top k; their weights renormalized or not, as
         # transformers' Qwen3MoeTopKRouter and llama.cpp's build_moe_ffn
         logits = mm(h, self.router)
@@ -54,6 +75,11 @@ class MoE:
         weight, chosen = probs.topk(self.k, dim=-1)                            # [T, k]
         if self.norm_topk:
             weight = weight / weight.sum(dim=-1, keepdim=True)
+        return weight, chosen
+
+    def __call__(self, h: torch.Tensor, mm: MatMul) -> torch.Tensor:
+        T, dim = h.shape
+        weight, chosen = self.route(h, mm)
         flat = chosen.flatten()                                                # pair j: token j // k
         order = flat.argsort(stable=True)
         experts, counts = flat[order].unique_consecutive(return_counts=True)

@@ -84,6 +84,16 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
                                      sliding_window=8, rope_parameters=GPT_OSS_YARN, tie_word_embeddings=False),
                 "gpt-oss"),
+    # GLM-4.5: half of each head rotates, q/k/v biases and q/k norms (GLM-4.5 355B's), layer 0
+    # dense, then eight experts chosen by sigmoid score plus bias within the better of two
+    # groups, renormalized, times 2.5, beside a shared expert
+    "glm4moe": ("Glm4MoeConfig", dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                                      moe_intermediate_size=64, first_k_dense_replace=1, n_shared_experts=1,
+                                      routed_scaling_factor=2.5, n_group=2, topk_group=1, norm_topk_prob=True,
+                                      attention_bias=True, use_qk_norm=True, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5}),
+                "glm4moe"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -91,6 +101,9 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
                                                                                "rope_theta": 10000.0}}),
                "gemma3"),
 }
+
+# their experts decode with torch's ops (the native decoder declines a mixture of experts)
+MOE = ("qwen3moe", "gpt_oss", "glm4moe")
 
 
 def _hf_model(name: str):
@@ -109,6 +122,9 @@ def _hf_model(name: str):
                 p.normal_(1.0, 1.0)
             else:
                 p.normal_(0.0, 0.15)
+        for bname, b in m.named_buffers():
+            if bname.endswith("e_score_correction_bias"):   # GLM: biases that change the choice
+                b.normal_(0.0, 0.2)
     return m
 
 
@@ -143,7 +159,7 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None
     c = m.config
     head_dim = c.head_dim
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(c.num_hidden_layers)
+    w.add_block_count(c.num_hidden_layers + (arch == "glm4moe"))     # GLM's MTP layer counts
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
@@ -191,15 +207,34 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None
             state[p + "mlp.experts.gate_proj.bias"], state[p + "mlp.experts.up_proj.bias"] = b[:, 0::2], b[:, 1::2]
             state[p + "mlp.experts.down_proj.bias"] = state.pop(p + "mlp.experts.down_proj_bias")
             state[p + "self_attn.sinks.weight"] = state.pop(p + "self_attn.sinks")
-    if arch == "qwen3moe":   # the converter's stacked experts: [E, rows, cols], gate and up apart
-        w.add_expert_count(c.num_experts)
+    if arch == "glm4moe":    # the converter's Glm4MoeModel (the groups: as for DeepSeek's)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_leading_dense_block_count(c.first_k_dense_replace)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+        w.add_nextn_predict_layers(1)
+        for i in range(c.first_k_dense_replace, c.num_hidden_layers):
+            p = f"model.layers.{i}.mlp."
+            state[p + "gate.e_score_correction.bias"] = state.pop(p + "gate.e_score_correction_bias")
+        # an MTP layer after the others (block_count counts it), which llama.cpp does not run
+        last = f"model.layers.{c.num_hidden_layers - 1}."
+        state.update({k.replace(last, f"model.layers.{c.num_hidden_layers}."): v.clone()
+                      for k, v in list(state.items()) if k.startswith(last)})
+        state[f"model.layers.{c.num_hidden_layers}.eh_proj.weight"] = torch.randn(c.hidden_size, 2 * c.hidden_size)
+    if arch in ("qwen3moe", "glm4moe"):   # the converter's stacked experts: [E, rows, cols], gate and up apart
+        n = c.num_experts if arch == "qwen3moe" else c.n_routed_experts
+        w.add_expert_count(n)
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        for i in range(c.num_hidden_layers):
+        for i in range(getattr(c, "first_k_dense_replace", 0), c.num_hidden_layers + (arch == "glm4moe")):
             p = f"model.layers.{i}.mlp.experts."
             state[p + "gate_proj.weight"], state[p + "up_proj.weight"] = state.pop(p + "gate_up_proj").chunk(2, dim=1)
             state[p + "down_proj.weight"] = state.pop(p + "down_proj")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[{"glm4moe": "GLM4_MOE"}.get(arch, arch.upper().replace("-", "_"))],
+                                     c.num_hidden_layers + 1)
     if rp.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llamacpp_rope_freqs(rp, head_dim))
     for hf_name, t in state.items():
@@ -295,7 +330,7 @@ def test_parity_with_transformers(case, kernels):
     ref_logits, ref_toks = _reference(m, ids)
     model, logits, toks = _ours(hf_dir, ids, kernels)
     gmodel, glogits, gtoks = _ours(gguf_path, ids, kernels)
-    assert (model.decoder is not None) == (kernels == "native" and name not in ("qwen3moe", "gpt_oss"))
+    assert (model.decoder is not None) == (kernels == "native" and name not in MOE)
     d_hf = (logits - ref_logits).abs().max().item()
     d_gguf = (glogits - logits).abs().max().item()
     print(f"\n[{name}] |logits| max {ref_logits.abs().max().item():.3g}; HF dir vs transformers "
@@ -313,7 +348,7 @@ def test_parity_with_transformers(case, kernels):
     assert model.fingerprint == gmodel.fingerprint   # one model, whichever file it came from
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3", "gpt_oss", "glm4moe"])
 def test_exact_mode_holds_with_biases_and_qk_norms(build, name):
     """Exact mode's promise (bit-identical prefill rows however a prompt is split between a
     restored prefix and the prefill) holds with the row-wise ops these architectures add."""
