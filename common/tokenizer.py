@@ -41,6 +41,9 @@ TEXT_CACHE_MIN = 1024    # ids in a tuple worth keeping its bytes for
 _DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _GPT2_LIKE = {"gpt2", "default", "olmo", "jais"}
 _LLAMA3_LIKE = {"llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"}
+# GLM-4 / 4.5: Llama 3's split without its whole-word shortcut, no BOS (llama.cpp's CHATGLM4;
+# the template writes [gMASK]<sop> itself)
+_GLM4_LIKE = {"glm4", "chatglm-bpe"}
 
 # end-of-turn markers a chat model may emit instead of its declared EOS
 _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>",
@@ -197,8 +200,11 @@ def _compile_template(src: str) -> jinja2.Template:
     return env.from_string(src)
 
 
-def _finish(tok: Tokenizer, pieces, template, bos, eos, add_bos) -> TextModel:
+def _finish(tok: Tokenizer, pieces, template, bos, eos, add_bos, ends=()) -> TextModel:
+    """ends: more ids that end an answer, as the file declares them (GLM: <|user|> and
+    <|observation|>, GGUF eot/eom ids or generation_config's eos list)."""
     stop = {eos} if eos is not None else set()
+    stop |= {i for i in ends if i is not None and 0 <= i < len(pieces)}
     texts = {}
     for i, p in enumerate(pieces):
         t = p.decode("utf-8", "replace")
@@ -216,8 +222,8 @@ def from_gguf(g: GGUFFile) -> TextModel:
     template = m.get("tokenizer.chat_template") or templates.fallback(g.arch())
     if kind == "llama":
         tok, pieces = tokenizer_spm.build(m)
-        return _finish(tok, pieces, template, _opt_id(m, "bos"),
-                       _opt_id(m, "eos"), bool(m.get("tokenizer.ggml.add_bos_token", True)))
+        return _finish(tok, pieces, template, _opt_id(m, "bos"), _opt_id(m, "eos"),
+                       bool(m.get("tokenizer.ggml.add_bos_token", True)), (_opt_id(m, "eot"), _opt_id(m, "eom")))
     if kind != "gpt2":
         raise TokenizerError(f"unsupported tokenizer model {kind!r} "
                              "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
@@ -230,7 +236,7 @@ def from_gguf(g: GGUFFile) -> TextModel:
     tok = Tokenizer(bpe)
     if pre in _DIGITS_FIRST or pre in _GPT2_LIKE:
         regex = _GPT2_RE
-    elif pre in _LLAMA3_LIKE:
+    elif pre in _LLAMA3_LIKE or pre in _GLM4_LIKE:
         regex = _LLAMA3_RE
     elif pre in _QWEN2_LIKE:
         regex = _QWEN2_RE
@@ -257,8 +263,9 @@ def from_gguf(g: GGUFFile) -> TextModel:
             pieces.append(t.encode("utf-8"))
         else:
             pieces.append(bytes(bd[c] for c in t))
-    add_bos = bool(m.get("tokenizer.ggml.add_bos_token", False))
-    return _finish(tok, pieces, template, _opt_id(m, "bos"), _opt_id(m, "eos"), add_bos)
+    add_bos = bool(m.get("tokenizer.ggml.add_bos_token", False)) and pre not in _GLM4_LIKE
+    return _finish(tok, pieces, template, None if pre in _GLM4_LIKE else _opt_id(m, "bos"), _opt_id(m, "eos"),
+                   add_bos, (_opt_id(m, "eot"), _opt_id(m, "eom")))
 
 
 def _opt_id(m: dict, name: str) -> int | None:
@@ -291,5 +298,11 @@ def from_hf_dir(path: str) -> TextModel:
     template = cfg.get("chat_template")
     if isinstance(template, list):
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    ends = ()
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_path):       # GLM, Llama 3: more than one id ends an answer
+        with open(gen_path) as f:
+            e = json.load(f).get("eos_token_id")
+        ends = tuple(int(x) for x in (e if isinstance(e, list) else [e] if e is not None else []))
     return _finish(tok, pieces, template, tid("bos_token"), tid("eos_token"),
-                   bool(cfg.get("add_bos_token", False)))
+                   bool(cfg.get("add_bos_token", False)), ends)

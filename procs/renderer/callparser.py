@@ -149,7 +149,7 @@ class CallParser:
         arguments' JSON as toolxml.Stream builds it."""
         pieces = []
         if self.live is None:
-            mt = toolxml.HEAD.match(self.buf, self.scan) if self.grow else None
+            mt = toolxml.head(self.fmt).match(self.buf, self.scan) if self.grow else None
             if mt is None:
                 return []
             name = mt.group(1)

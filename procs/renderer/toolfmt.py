@@ -22,6 +22,9 @@ Families (the format is recognised in the GGUF's own template text, as llama.cpp
 - qwen_xml (Qwen3-Coder, later Qwen templates): `<tool_call>\n<function=NAME>\n` then
   `<parameter=KEY>\nVALUE\n</parameter>\n` per argument, `</function>\n</tool_call>`; a
   string value as it is, any other as JSON (procs/renderer/toolxml.py).
+- glm (GLM-4.5, 4.6): `<tool_call>NAME\n` then `<arg_key>KEY</arg_key>\n<arg_value>VALUE`
+  `</arg_value>\n` per argument, `</tool_call>`; glm_compact (GLM-4.7 and later): the same
+  without the newlines. Values as qwen_xml's.
 
 Fenced calls: small models of the tag formats (Qwen2.5 0.5B-1.5B) often answer with a
 Markdown-fenced object, ```` ```json\n{"name": ..., "arguments": ...}\n``` ````, instead of the
@@ -67,20 +70,29 @@ class Format:
     short_ids: bool = False  # ids of 9 letters and digits (Mistral's templates check them)
     value_open: str = ""    # xml: what comes between <parameter=KEY> and the value
     value_close: str = ""   # xml: what ends a value
+    # xml: the function's name between name_open and name_close (empty: the name ends where
+    # a key or the call's close begins), each key between key_open and key_close, and
+    # fn_close after the last value (empty: the call's close follows it)
+    name_open: str = "<function="
+    name_close: str = ">\n"
+    key_open: str = "<parameter="
+    key_close: str = ">"
+    fn_close: str = "</function>"
 
     def name_part(self, name: str) -> str:
         if self.kind == "args":
             return name + "[ARGS]"
         if self.kind == "xml":
-            return f"<function={name}>\n"
+            return self.name_open + name + self.name_close
         return _hermes_name(name, self.args_key)
 
     def call_text(self, name: str, args_json: str) -> str:
         if self.kind == "xml":      # each value as the family's template renders it
             args = json.loads(args_json)
             return self.head_pre + self.name_part(name) + "".join(
-                f"<parameter={k}>{self.value_open}{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-                f"{self.value_close}" for k, v in args.items()) + self.tail
+                f"{self.key_open}{k}{self.key_close}{self.value_open}"
+                f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}{self.value_close}"
+                for k, v in args.items()) + self.tail
         return self.head_pre + self.name_part(name) + args_json + self.tail
 
     def block(self, calls: list[tuple[str, str]]) -> str:
@@ -120,10 +132,16 @@ MISTRAL_ARGS = Format("mistral_args", native=True, trigger="[TOOL_CALLS]", head_
 QWEN_XML = Format("qwen_xml", native=True, trigger="<tool_call>", head_pre="<tool_call>\n",
                   tail="</function>\n</tool_call>", sep="\n", close="</tool_call>", kind="xml",
                   value_open="\n", value_close="\n</parameter>\n")
+# GLM-4.5 / 4.6: the name after the tag, keys and values in tags of their own
+GLM = dataclasses.replace(QWEN_XML, name="glm", head_pre="<tool_call>", tail="</tool_call>", name_open="",
+                          name_close="\n", key_open="<arg_key>", key_close="</arg_key>", fn_close="",
+                          value_open="\n<arg_value>", value_close="</arg_value>\n")
+# GLM-4.7 and later: the same without newlines
+GLM_COMPACT = dataclasses.replace(GLM, name="glm_compact", name_close="", value_open="<arg_value>",
+                                  value_close="</arg_value>")
 # OpenAI's Harmony (gpt-oss): calls are messages to `functions.NAME` in the model's own special
 # tokens, read by procs/renderer/harmony.py (which also opens forced ones: harmony.opener)
 HARMONY = Format("harmony", native=True, trigger="to=functions.", kind="harmony")
-# call bodies written as XML of another shape (GLM's <arg_key>), not parsed here
 XML_CALLS = ("<function=", "<parameter=", "<arg_key>")
 
 
@@ -143,8 +161,9 @@ def detect(template: str | None) -> Format:
     if "<tool_call>" in src:
         if "<function=" in src and "<parameter=" in src:     # Qwen3-Coder's XML bodies
             return QWEN_XML
-        # JSON inside the tags (Qwen2.5, Qwen3, Hermes); XML bodies of another shape (GLM's
-        # <arg_key>) are not parsed: generic format
+        if "<arg_key>" in src and "<arg_value>" in src:      # GLM's
+            return GLM_COMPACT if "</arg_key><arg_value>" in src else GLM
+        # JSON inside the tags (Qwen2.5, Qwen3, Hermes)
         if '"name"' in src and not any(x in src for x in XML_CALLS):
             return HERMES
         return GENERIC

@@ -1,4 +1,5 @@
-"""Calls written as XML (Qwen3-Coder and its successors; toolfmt.QWEN_XML):
+"""Calls written as XML (Qwen3-Coder and its successors, toolfmt.QWEN_XML; GLM's tags of another
+shape, toolfmt.GLM and GLM_COMPACT, read through the same code by their Format's tags):
 
     <tool_call>
     <function=NAME>
@@ -23,16 +24,54 @@ from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
+from typing import NamedTuple
 
 from procs.renderer.toolfmt import Format, Incomplete
 
 _DECODER = json.JSONDecoder()
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
-_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>")
-_END = re.compile(r"\s*</function>\s*</tool_call>")
-_FUNCTION_END = re.compile(r"\s*</function>")
-HEAD = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>")   # a call whose name is whole
 KEY = "[A-Za-z0-9_.:$@-]+"    # a parameter name the open grammar (no schema) allows
+_NAME = r"([^<>\n]+)"
+# a name with no tag of its own (GLM's, right after <tool_call>) is a function name's
+# characters only: other text there is not a call
+_BARE_NAME = r"[\w.:$-]+"
+
+
+class Shape(NamedTuple):
+    """A format's tags as patterns: the function's name (whole), a key, the function's end
+    (the last value's end), the call's end after it, a call whose name is whole."""
+    function: re.Pattern
+    param: re.Pattern
+    fn_end: re.Pattern
+    end: re.Pattern
+    head: re.Pattern
+    tags: tuple[str, str]       # what may open after a value: a key, or the function's end
+
+
+@lru_cache(maxsize=8)
+def shape(f: Format) -> Shape:
+    e = re.escape
+    close = f.name_close.rstrip("\n")       # a newline after the name is optional
+    name = e(f.name_open) + (_NAME + e(close) + r"\n?" if close else f"({_BARE_NAME})" + r"(?=[\n<])\n?")
+    fn_end = f.fn_close or f.close
+    end = (e(f.fn_close) + r"\s*" if f.fn_close else "") + e(f.close)
+    return Shape(re.compile(r"\s*" + name), re.compile(r"\s*" + e(f.key_open) + _NAME + e(f.key_close)),
+                 re.compile(r"\s*" + e(fn_end)), re.compile(r"\s*" + end),
+                 re.compile(r"\s*" + e(f.trigger) + r"\s*" + name), (f.key_open, fn_end))
+
+
+def head(f: Format) -> re.Pattern:
+    """A call whose name is whole: group 1 the name."""
+    return shape(f).head
+
+
+def _name_may_grow(f: Format, rest: str) -> bool:
+    """Whether rest (after the trigger) may still become the function's name and its close."""
+    if len(rest) < len(f.name_open):
+        return f.name_open.startswith(rest)
+    bare = not f.name_close.rstrip("\n")
+    return rest.startswith(f.name_open) and \
+        re.fullmatch(f"(?:{_BARE_NAME})?" if bare else r"[^<>\n]*", rest[len(f.name_open):]) is not None
 
 
 def string_params(tools: list[dict]) -> dict[str, frozenset[str]]:
@@ -73,14 +112,15 @@ def params(f: Format, s: str, i: int, strings: frozenset[str], final: bool = Fal
     be a call."""
     args = {}
     close = f.value_close       # whole, as the grammar ends a value: "\n</parameter>x" is text
+    sh = shape(f)
     while True:
-        mp = _PARAM.match(s, i)
+        mp = sh.param.match(s, i)
         if mp is None:
-            me = _END.match(s, i)
+            me = sh.end.match(s, i)
             if me is not None:
                 return args, me.end(), True
             rest = s[i:].lstrip()
-            if final or not _may_open(rest):
+            if final or not _may_open(sh, rest):
                 if final:
                     return args, len(s), False
                 raise ValueError("not a parameter")
@@ -90,6 +130,8 @@ def params(f: Format, s: str, i: int, strings: frozenset[str], final: bool = Fal
         if b < 0:
             if final:       # the limit cut the value: as far as it goes, less a closing begun
                 raw = s[start:]
+                if f.value_open.startswith(raw):        # cut inside what opens the value
+                    raw = ""
                 raw = raw[len(f.value_open):] if f.value_open and raw.startswith(f.value_open) else raw
                 k = next((k for k in range(len(close), 0, -1) if raw.endswith(close[:k])), 0)
                 args[key] = _value(raw[:len(raw) - k], key in strings)
@@ -102,10 +144,10 @@ def params(f: Format, s: str, i: int, strings: frozenset[str], final: bool = Fal
         i = b + len(close)
 
 
-def _may_open(rest: str) -> bool:
+def _may_open(sh: Shape, rest: str) -> bool:
     """Whether text after a value (or the function tag) may still open a parameter or end
     the function."""
-    return any(tag.startswith(rest[:len(tag)]) for tag in ("<parameter=", "</function>"))
+    return any(tag.startswith(rest[:len(tag)]) for tag in sh.tags)
 
 
 def scan(f: Format, s: str, i: int, strings: dict[str, frozenset[str]]) -> tuple[list[tuple[str, str]], int, bool]:
@@ -113,10 +155,9 @@ def scan(f: Format, s: str, i: int, strings: dict[str, frozenset[str]]) -> tuple
     JSON)], end, True), as toolfmt.scan. A call that is not well formed is skipped up to its
     closing tag."""
     j = i + len(f.trigger)
-    mf = _FUNCTION.match(s, j)
+    mf = shape(f).function.match(s, j)
     if mf is None:
-        rest = s[j:].lstrip()
-        if "<function=".startswith(rest[:10]) or (rest.startswith("<function=") and ">" not in rest):
+        if _name_may_grow(f, s[j:].lstrip()):
             raise Incomplete
         b = s.find(f.close, j)
         if b < 0:
@@ -137,8 +178,8 @@ def cut(f: Format, s: str, strings: dict[str, frozenset[str]]) -> tuple[str, str
     """A call the token limit cut after its name (s: the block from the call's trigger on):
     (name, the arguments as far as they go), or None when its name is not whole."""
     mt = re.match(r"\s*" + re.escape(f.trigger), s)
-    mf = _FUNCTION.match(s, mt.end()) if mt else None
-    if mf is None or ">" not in s[mt.end():]:
+    mf = shape(f).function.match(s, mt.end()) if mt else None
+    if mf is None:
         return None
     name = mf.group(1)
     args, _, _ = params(f, s, mf.end(), strings.get(name, frozenset()), final=True)
@@ -155,6 +196,7 @@ class Stream:
 
     def __init__(self, f: Format, strings: frozenset[str], pos: int):
         self.f, self.strings = f, strings
+        self.shape = shape(f)
         self.close = f.value_close
         self.pos = pos            # where the next parameter (or the end) is looked for
         self.key = None           # the open parameter
@@ -167,13 +209,13 @@ class Stream:
         """s: the block so far. Returns the arguments' JSON so far."""
         while not self.ended:
             if self.key is None:
-                mp = _PARAM.match(s, self.pos)
+                mp = self.shape.param.match(s, self.pos)
                 if mp is None:
-                    me = _FUNCTION_END.match(s, self.pos)
+                    me = self.shape.fn_end.match(s, self.pos)
                     if me is not None:
                         self.out += "{}" if not self.n_params else "}"
                         self.ended = True
-                    elif not _may_open(s[self.pos:].lstrip()):
+                    elif not _may_open(self.shape, s[self.pos:].lstrip()):
                         self.ended = self.broken = True    # not a call after all: scan() skips it
                     break
                 start = mp.end()
@@ -224,13 +266,13 @@ def args_rules(f: Format, name: str, schema: dict, json_rule) -> str:
     tail = f.value_close
     lazy = "/(?s:.*)" + _rx(tail) + "/"
     if schema.get("additionalProperties") not in (None, False):
-        return (f"{name}: {name}_p*\n{name}_p: \"<parameter=\" /{KEY}/ {_lit('>' + f.value_open)} {name}_v\n"
+        return (f"{name}: {name}_p*\n{name}_p: {_lit(f.key_open)} /{KEY}/ {_lit(f.key_close + f.value_open)} {name}_v\n"
                 f"{name}_v[lazy]: {lazy}\n")
     required = set(schema.get("required") or ())
     parts, rules = [], ""
     for k, (key, sub) in enumerate(props.items()):
         r = f"{name}_{k}"
-        head = _lit(f"<parameter={key}>{f.value_open}")
+        head = _lit(f"{f.key_open}{key}{f.key_close}{f.value_open}")
         if is_string(sub) and isinstance(sub, dict) and isinstance(sub.get("enum"), list):
             rules += f"{r}: {head} ({' | '.join(_lit(str(e) + tail) for e in sub['enum'])})\n"
         elif is_string(sub):

@@ -223,3 +223,52 @@ def test_piece_bytes_of_a_tuple_is_remembered_and_bounded(text_model):
     for t in many:
         assert text_model.piece_bytes(t) == first + text_model.pieces[t[-1]]
     assert len(text_model._texts) <= TEXT_CACHE_SIZE
+
+
+def _bytes_gguf(path: str, arch: str, pre: str, extra: list[str], ids: dict[str, int]) -> None:
+    """A byte-level GGUF: the 256 byte pieces, then `extra` as control tokens; ids: the
+    tokenizer.ggml.*_token_id fields to write (bos, eos, eot, eom)."""
+    gguf = pytest.importorskip("gguf")
+    from common.tokenizer import _byte_decoder
+    chars = sorted(_byte_decoder(), key=_byte_decoder().get)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(chars + extra)
+    w.add_token_types([1] * len(chars) + [3] * len(extra))
+    w.add_token_merges([])
+    for k, v in ids.items():
+        w.add_uint32(f"tokenizer.ggml.{k}_token_id", v)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+
+def test_glm4_vocabulary_splits_as_llama3_and_ends_at_its_end_ids(tmp_path):
+    """GLM-4.5's GGUF (tokenizer.ggml.pre "glm4"): Llama 3's split, no BOS whatever
+    add_bos_token says (the template writes [gMASK]<sop>), and <|user|> and <|observation|>
+    (its eot and eom ids, as llama.cpp's converter writes them) end an answer besides the EOS."""
+    extra = ["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|observation|>"]
+    ids = {"bos": 256 + 1, "eos": 256, "eot": 256 + 3, "eom": 256 + 4}
+    _bytes_gguf(str(tmp_path / "glm.gguf"), "glm4moe", "glm4", extra, ids)
+    _bytes_gguf(str(tmp_path / "l3.gguf"), "llama", "llama-bpe", extra, {"eos": 256})
+    glm, l3 = load_text(str(tmp_path / "glm.gguf")), load_text(str(tmp_path / "l3.gguf"))
+    assert glm.stop_ids == {256, 259, 260} and l3.stop_ids == {256}
+    assert glm.bos_id is None and not glm.add_bos
+    for text in ["HelloWorld's IT'S x 1234567 a/b//\n\nc", "def f(x):\n    return x  # ok\r\n"]:
+        assert glm.tokenizer.pre_tokenizer.pre_tokenize_str(text) == l3.tokenizer.pre_tokenizer.pre_tokenize_str(text)
+    assert glm.encode("[gMASK]<sop><|user|>\nhi") == [257, 258, 259, 10, 104, 105]
+
+
+def test_hf_dir_generation_config_ends_answers(tmp_path, model_path):
+    """An HF dir's generation_config.json may list several EOS ids (GLM, Llama 3): each ends
+    an answer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0, "b": 1, "<|user|>": 2, "<|end|>": 3}, merges=[]))
+    tok.add_special_tokens(["<|user|>", "<|end|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|end|>"}')
+    assert load_text(str(tmp_path)).stop_ids == {3}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [3, 2]}')
+    assert load_text(str(tmp_path)).stop_ids == {2, 3}

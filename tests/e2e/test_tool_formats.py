@@ -1,7 +1,8 @@
 """Model families' own tool formats end to end: the real processes and default model, the
 official `openai` client, a chat template given with --chat-template-file in the family's
 format (Qwen/Hermes `<tool_call>`, Llama 3.1's bare JSON, Mistral's `[TOOL_CALLS][...]`,
-Qwen3-Coder's XML bodies; written for the tests, tests/data/templates).
+Qwen3-Coder's XML bodies, GLM-4.5's `<arg_key>`/`<arg_value>` pairs; written for the tests,
+tests/data/templates).
 
 Per family: a forced call comes back as a parsed call in the family's syntax (Mistral: ids
 of 9 letters and digits), streamed and whole; the next turn, with the call and its result,
@@ -38,9 +39,14 @@ MESSAGES = [{"role": "system", "content": "You answer by calling a tool."},
 SLACK = 2     # an end-of-turn token the template renders differently from the one sampled
 
 
-@pytest.fixture(scope="module", params=["hermes", "llama3", "mistral", "qwen_xml"])
+@pytest.fixture(scope="module", params=["hermes", "llama3", "mistral", "qwen_xml", "glm"])
 def family(request):
     env = {"RICORDO_CHAT_TEMPLATE_FILE": str(TEMPLATES / f"{request.param}.jinja"), "RICORDO_CTX_SIZE": "2048"}
+    if request.param == "glm":
+        # GLM renders <|observation|> after a call where this model samples <|im_end|>: the
+        # ~300-token session is reused up to that token, which a reuse short of the whole
+        # session does only from --kv-cache-min-tokens on
+        env["RICORDO_KV_CACHE_MIN_TOKENS"] = "256"
     with Server(env=env) as srv:
         yield request.param, srv.client()
 
@@ -68,16 +74,19 @@ def test_forced_call_and_next_turn_from_the_live_session(family):
     written = "".join(t.token for t in c.logprobs.content)     # what the model wrote after the opener
     head = '{"name": "' + call.function.name + '", '
     xml = "<function=" + call.function.name + ">\n"
-    assert written.startswith({"hermes": head, "llama3": head, "mistral": head, "qwen_xml": xml}[name]), written
+    assert written.startswith({"hermes": head, "llama3": head, "mistral": head, "qwen_xml": xml,
+                               "glm": call.function.name + "\n"}[name]), written
+    args = json.loads(call.function.arguments)
     if name == "qwen_xml":     # each value as written: a string without quotes
-        args = json.loads(call.function.arguments)
         assert all(f"<parameter={k}>\n{v}\n</parameter>\n" in written for k, v in args.items()), written
+    elif name == "glm":
+        assert all(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" in written for k, v in args.items()), written
     else:
         assert {"hermes": '"arguments": ', "llama3": '"parameters": ', "mistral": '"arguments": '}[name] in written
     for end in ("<|im_end|>", "<|endoftext|>"):                 # the stop token the grammar ends on
         written = written.removesuffix(end)
     assert written.endswith({"hermes": "}\n</tool_call>", "llama3": "}}", "mistral": "}]",
-                             "qwen_xml": "</function>\n</tool_call>"}[name]), written
+                             "qwen_xml": "</function>\n</tool_call>", "glm": "</arg_value>\n</tool_call>"}[name]), written
     turn2 = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     r2 = client.chat.completions.create(model="m", messages=turn2, tools=TOOLS, max_tokens=4, temperature=0)
