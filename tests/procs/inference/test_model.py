@@ -153,11 +153,20 @@ def assert_tail_close(model, ref: dict, got: dict, what: str, tol: float = 0.0) 
     assert diff <= tol
 
 
-def test_chunk_size_does_not_change_results(model, long_ids, uninterrupted):
-    _, ref = uninterrupted
-    s = KVSession(model, N_CTX, 128)
-    got = s.prefill(long_ids, logits_at=WANT)
-    assert_tail_close(model, ref, got, "chunk 512 vs 128")
+@pytest.mark.parametrize("weights", ["dense", "packed"])
+def test_chunk_size_does_not_change_results(model, long_ids, uninterrupted, weights):
+    """Chunks of 128 give chunks of 512's logits: within the dtype's tolerance on the dense
+    weights; on the packed ones the output projection (the Q8_0 one as int8 groups) takes
+    its input rounded to int8 per group of 32, which turns the chunkings' float noise (a
+    GEMM's rows may round differently with its row count: seen on a Xeon with AMX, not on
+    an AMD EPYC) into steps of the rounding: 0.03-0.17 measured in f32, bf16's tolerance."""
+    m, (_, ref) = model, uninterrupted
+    if weights == "dense":
+        m = dense_twin(model)
+        ref = KVSession(m, N_CTX, 512).prefill(long_ids, logits_at=WANT)
+    got = KVSession(m, N_CTX, 128).prefill(long_ids, logits_at=WANT)
+    assert_tail_close(model, ref, got, f"chunk 512 vs 128 ({weights} weights)",
+                      CHUNK_TOL[torch.bfloat16] if weights == "packed" else 0.0)
 
 
 @pytest.mark.parametrize("weights", ["dense", "packed"])
