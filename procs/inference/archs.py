@@ -47,6 +47,10 @@ class Arch:
     shared_expert: bool = False
     score_bias: bool = False
     partial_rope: bool = False       # the GGUF's rope.dimension_count may be under head_dim
+    # GLM-4 (0414): gate and up in one tensor, q/k/v apart; RoPE pairs adjacent dims (2i,
+    # 2i+1) in both files, reordered at load into the half-split pairs forward() rotates
+    fused_mlp: bool = False
+    interleaved_rope: bool = False
     # GGUF tensor names that differ from LAYER_TENSORS' (ours -> GGUF suffix)
     gguf_names: tuple[tuple[str, str], ...] = ()
 
@@ -92,6 +96,12 @@ ARCHS["gpt-oss"] = ARCHS["gpt_oss"] = Arch(
 ARCHS["glm4moe"] = ARCHS["glm4_moe"] = Arch(
     "glm4moe", gguf_permuted_qk=False, moe=True, shared_expert=True, score_bias=True, partial_rope=True,
     gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
+# GLM-4 0414 (9B, 32B, Z1): Gemma's sandwich norms (on the attention's and the MLP's outputs),
+# q/k/v biases where attention_bias says so, fused gate_up, RoPE over the first half of each
+# head's dims in adjacent pairs
+ARCHS["glm4"] = Arch("glm4", gguf_permuted_qk=False, post_norms=True, fused_mlp=True, partial_rope=True,
+                     interleaved_rope=True, hf_names=(("post_attn_norm", "post_self_attn_layernorm.weight"),
+                                                      ("post_ffn_norm", "post_mlp_layernorm.weight")))
 GPT_OSS_SWA_PATTERN = 2         # layer i slides when i % 2 == 0 (transformers' layer_types default)
 # Gemma 3: every 6th layer attends globally, the others over a sliding window with their own
 # RoPE base (llama.cpp's set_swa_pattern(6) and rope_freq_base_train_swa; transformers'
@@ -158,7 +168,8 @@ def layer_names(arch: Arch, dense: bool = False) -> list[str]:
         return ["attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"]
     names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm"]
     experts = arch.moe and not dense
-    names += ["router", "gate_exps", "up_exps", "down_exps"] if experts else ["w_gate", "w_up", "w_down"]
+    names += ["router", "gate_exps", "up_exps", "down_exps"] if experts else \
+        ["w_gate_up", "w_down"] if arch.fused_mlp else ["w_gate", "w_up", "w_down"]
     if experts and arch.shared_expert:
         names += ["w_gate_sh", "w_up_sh", "w_down_sh"]
     if experts and arch.score_bias:
@@ -300,24 +311,29 @@ def glm_variant(arch: Arch, qkv_bias: bool, qk_norm: bool) -> Arch:
     return dataclasses.replace(arch, qkv_bias=qkv_bias, qk_norm=qk_norm)
 
 
+def hf_partial_rope(c: dict, head_dim: int, where: str) -> dict:
+    """RoPE over the first partial_rotary_factor of each head's dims (GLM: 0.5), from a
+    config.json: theta, divisors and attention factor over those dims, rope_dims."""
+    rp = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    partial = float(rp.pop("partial_rotary_factor", None) or c.get("partial_rotary_factor") or 1.0)
+    dims = int(head_dim * partial)
+    theta, factors, attn = hf_rope({**c, "partial_rotary_factor": None, "rope_parameters": rp}, dims, where)
+    return dict(rope_theta=theta, rope_factors=factors, rope_attn_factor=attn, rope_dims=dims if dims != head_dim else 0)
+
+
 def hf_glm4moe(c: dict, head_dim: int, where: str) -> dict:
     """GLM-4.5's ModelConfig fields from a config.json, as transformers' Glm4Moe reads them:
     RoPE over the first partial_rotary_factor of each head (0.5 in every release), routed
     experts (n_routed_experts) chosen by sigmoid score plus bias within the best topk_group
     of n_group groups, their weights renormalized (norm_topk_prob) and scaled
     (routed_scaling_factor), the first first_k_dense_replace layers dense."""
-    rp = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    partial = float(rp.pop("partial_rotary_factor", None) or c.get("partial_rotary_factor") or 1.0)
-    dims = int(head_dim * partial)
-    theta, factors, attn = hf_rope({**c, "partial_rotary_factor": None, "rope_parameters": rp}, dims, where)
     n = c.get("n_routed_experts", c.get("num_local_experts"))
     if not n or not c.get("num_experts_per_tok") or not c.get("moe_intermediate_size"):
         raise ModelLoadError(f"{where}: a mixture of experts needs n_routed_experts, num_experts_per_tok "
                              f"and moe_intermediate_size")
     if int(c.get("n_shared_experts") or 0) < 1:
         raise ModelLoadError(f"{where}: GLM's experts without a shared expert are not supported")
-    return dict(rope_theta=theta, rope_factors=factors, rope_attn_factor=attn, rope_dims=dims if dims != head_dim else 0,
-                ffn_dim=int(c["moe_intermediate_size"]), n_experts=int(n), n_experts_used=int(c["num_experts_per_tok"]),
+    return dict(**hf_partial_rope(c, head_dim, where), ffn_dim=int(c["moe_intermediate_size"]), n_experts=int(n), n_experts_used=int(c["num_experts_per_tok"]),
                 moe_norm_topk=bool(c.get("norm_topk_prob", True)), moe_gating="sigmoid",
                 moe_scale=float(c.get("routed_scaling_factor") or 1.0),
                 moe_groups=int(c.get("n_group") or 1), moe_groups_used=int(c.get("topk_group") or 1),

@@ -24,7 +24,7 @@ from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYP
                                           mxfp4_rows, q4_parts, q8_parts)
 from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, glm_variant, gguf_gemma3, gguf_glm4moe,
                                    gguf_gpt_oss, gguf_moe, gguf_rope, hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_moe,
-                                   hf_phi3, hf_rope, layer_names, tensor_name, unused_math)
+                                   hf_partial_rope, hf_phi3, hf_rope, layer_names, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
@@ -101,16 +101,23 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-def rotary_perm(head_dim: int, rope_dims: int) -> torch.Tensor | None:
+def rotary_perm(head_dim: int, rope_dims: int, interleaved: bool = False) -> torch.Tensor | None:
     """Rows of a head in the order that makes partial rotary embeddings (the first R dims
-    rotate, as pairs (i, i + R/2)) rotate-half pairs of the whole head (j, j + D/2): the
-    rotated halves first in each half, the pass-through dims after them, whose frequency
-    is zero (rope.rotary). Q and K alike, so their dot products are unchanged."""
-    if not rope_dims or rope_dims == head_dim:
+    rotate, as pairs (i, i + R/2); interleaved: as pairs (2i, 2i + 1)) rotate-half pairs of
+    the whole head (j, j + D/2): the rotated halves first in each half, the pass-through
+    dims after them, whose frequency is zero (rope.rotary). Q and K alike, so their dot
+    products are unchanged."""
+    rope_dims = rope_dims or head_dim
+    if rope_dims == head_dim and not interleaved:
         return None
     r, p = rope_dims // 2, (head_dim - rope_dims) // 2
-    return torch.cat([torch.arange(0, r), torch.arange(2 * r, 2 * r + p),
-                      torch.arange(r, 2 * r), torch.arange(2 * r + p, head_dim)])
+    order = torch.cat([torch.arange(0, r), torch.arange(2 * r, 2 * r + p),
+                       torch.arange(r, 2 * r), torch.arange(2 * r + p, head_dim)])
+    if not interleaved:
+        return order
+    # half-split position i < r is the pair's first dim 2i, i >= r its second 2(i - r) + 1
+    halves = torch.cat([torch.arange(0, 2 * r, 2), torch.arange(1, 2 * r, 2), torch.arange(2 * r, head_dim)])
+    return halves[order]
 
 
 ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")   # per-head rows that rotary_perm reorders
@@ -220,6 +227,9 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         n_layers -= int(m.get(p + "nextn_predict_layers", 0))     # MTP layers, not run
     else:
         extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
+        if arch.partial_rope:       # GLM-4
+            arch = glm_variant(arch, "blk.0.attn_q.bias" in g.tensors, False)
+            extra["rope_dims"] = rope_dims if rope_dims != head_dim else 0
     if arch.name == "gpt-oss":
         extra.update(gguf_gpt_oss(m, p, int(m[p + "block_count"])))
     if arch.name == "gemma3":
@@ -242,7 +252,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     # rows of Q per query head, of K per key/value head, when permuted (no permuted
     # architecture has q/k biases: archs.layer_names)
     permuted = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if arch.gguf_permuted_qk else {}
-    perm = rotary_perm(cfg.head_dim, cfg.rope_dims) if arch.partial_rope else None
+    perm = rotary_perm(cfg.head_dim, cfg.rope_dims, arch.interleaved_rope) if arch.partial_rope else None
     keep_f32 = ("router", "router_sb") if arch.score_bias else ()     # sigmoid routing reads them in f32
     tensors, q4, q8, q8p, norms = Lazy(), Lazy(), set(), Lazy(), {}
     for gname, ours in names.items():
@@ -280,7 +290,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             q8.add(ours)
             if info.type_name in EXACT_INT8_TYPES and len(info.shape) == 2:
                 q8p.later(ours, lambda parts=parts: parts(q8_parts))
-    if arch.fused:
+    if arch.fused or arch.fused_mlp:
         for d in (tensors, q4, q8p):
             _split_fused(d, cfg)
         split = fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim)
@@ -373,6 +383,9 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     elif arch.shared_expert:
         arch = glm_variant(arch, bool(c.get("attention_bias")), bool(c.get("use_qk_norm")))
         extra = hf_glm4moe(c, head_dim, path)
+    elif arch.partial_rope:         # GLM-4
+        arch = glm_variant(arch, bool(c.get("attention_bias")), False)
+        extra = hf_partial_rope(c, head_dim, path)
     elif arch.name != "gemma3" and not arch.fused:
         extra = dict(zip(("rope_theta", "rope_factors", "rope_attn_factor"), hf_rope(c, head_dim, path)))
     if arch.name != "gpt-oss" and not arch.shared_expert:
@@ -406,10 +419,10 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             norms[ours] = w
         f32 = arch.score_bias and ours.rsplit(".", 1)[-1] in ("router", "router_sb")   # read in f32
         tensors[ours] = w.to(device=device, dtype=torch.float32 if f32 else dtype)
-    perm = rotary_perm(cfg.head_dim, cfg.rope_dims) if arch.partial_rope else None
+    perm = rotary_perm(cfg.head_dim, cfg.rope_dims, arch.interleaved_rope) if arch.partial_rope else None
     for name in [n for n in tensors if perm is not None and n.rsplit(".", 1)[-1] in ROTATED]:
         tensors[name] = rotary_rows(tensors[name], cfg.head_dim, perm)
-    if arch.fused:
+    if arch.fused or arch.fused_mlp:
         _split_fused(tensors, cfg)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})
 

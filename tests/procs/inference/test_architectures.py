@@ -94,6 +94,11 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                        "partial_rotary_factor": 0.5}),
                 "glm4moe"),
+    # GLM-4 0414: sandwich norms, q/k/v biases, fused gate_up, half of each head rotating in
+    # adjacent pairs
+    "glm4": ("Glm4Config", dict(attention_bias=True, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5}), "glm4"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -348,7 +353,7 @@ def test_parity_with_transformers(case, kernels):
     assert model.fingerprint == gmodel.fingerprint   # one model, whichever file it came from
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3", "gpt_oss", "glm4moe"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3", "gpt_oss", "glm4moe", "glm4"])
 def test_exact_mode_holds_with_biases_and_qk_norms(build, name):
     """Exact mode's promise (bit-identical prefill rows however a prompt is split between a
     restored prefix and the prefill) holds with the row-wise ops these architectures add."""

@@ -1,7 +1,8 @@
-"""GLM-4.5 (glm4moe) beyond the parity of tests/procs/inference/test_architectures.py (whose tiny
-random model and GGUF these reuse): each part of its math matters to the logits, so the parity
-test would catch it missing; its released configs read as transformers reads them; a GGUF's MTP
-layer is counted out of the layers run.
+"""GLM-4.5 (glm4moe) and GLM-4 0414 (glm4) beyond the parity of
+tests/procs/inference/test_architectures.py (whose tiny random models and GGUFs these reuse):
+each part of their math matters to the logits, so the parity test would catch it missing;
+GLM-4.5's released configs read as transformers reads them; a GGUF's MTP layer is counted out
+of the layers run.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from procs.inference import archs
 from procs.inference.archs import ModelLoadError, gguf_glm4moe, hf_glm4moe
 from procs.inference.kvsession import KVSession
 from procs.inference.loader import load
@@ -19,9 +21,9 @@ from tests.procs.inference.test_architectures import MAX_POS, PROMPT, _prompt, b
 NAME = "glm4moe"
 
 
-def _last_logits(w) -> torch.Tensor:
+def _last_logits(w, name: str = NAME) -> torch.Tensor:
     s = KVSession(Llama(w, MAX_POS), MAX_POS, 64)
-    return s.prefill(_prompt(NAME), logits_at=[PROMPT])[PROMPT]
+    return s.prefill(_prompt(name), logits_at=[PROMPT])[PROMPT]
 
 
 @pytest.mark.parametrize("change", ["score_bias", "scale", "groups", "shared", "dense", "rope_dims", "bq", "q_norm"])
@@ -84,3 +86,23 @@ def test_gguf_mtp_layer_is_not_run(build):
     g = load(gguf_path, torch.float32, "cpu")
     assert g.config.n_layers == m.config.num_hidden_layers == load(hf_dir, torch.float32, "cpu").config.n_layers
     assert not any(k.startswith(f"layers.{g.config.n_layers}.") for k in g.tensors)
+
+
+@pytest.mark.parametrize("change", ["interleaved", "rope_dims", "post_norms", "bq"])
+def test_glm4_parts_matter(build, monkeypatch, change):
+    """GLM-4 0414: its RoPE's adjacent pairs (read as half-split pairs instead), its partial
+    rotation (all dims instead), its sandwich norms and its q biases each move the logits."""
+    _, _, hf_dir, _ = build("glm4")
+    w = load(hf_dir, torch.float32, "cpu")
+    assert w.config.rope_dims == 8 and w.config.arch == "glm4"
+    a = _last_logits(load(hf_dir, torch.float32, "cpu"), "glm4")
+    if change == "interleaved":
+        monkeypatch.setitem(archs.ARCHS, "glm4", dataclasses.replace(archs.ARCHS["glm4"], interleaved_rope=False))
+        other = load(hf_dir, torch.float32, "cpu")
+    elif change == "rope_dims":
+        other = dataclasses.replace(w, config=dataclasses.replace(w.config, rope_dims=0))
+    else:
+        suffix = {"post_norms": ("post_attn_norm", "post_ffn_norm"), "bq": ("bq",)}[change]
+        other = dataclasses.replace(w, tensors={k: (torch.ones_like(v) if change == "post_norms" else torch.zeros_like(v))
+                                                if k.endswith(suffix) else v for k, v in w.tensors.items()})
+    assert (a - _last_logits(other, "glm4")).abs().max().item() > 0.05, change
