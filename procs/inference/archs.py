@@ -305,7 +305,7 @@ def gguf_gpt_oss(meta: dict, prefix: str, n_layers: int) -> dict:
 
 
 def glm_variant(arch: Arch, qkv_bias: bool, qk_norm: bool) -> Arch:
-    """GLM-4.5's attention biases and q/k norms are per model (config's attention_bias and
+    """GLM's attention biases and q/k norms are per model (config's attention_bias and
     use_qk_norm; in a GGUF, the tensors' presence): the same math name either way, the
     tensors themselves tell the fingerprint apart."""
     return dataclasses.replace(arch, qkv_bias=qkv_bias, qk_norm=qk_norm)
@@ -333,8 +333,8 @@ def hf_glm4moe(c: dict, head_dim: int, where: str) -> dict:
                              f"and moe_intermediate_size")
     if int(c.get("n_shared_experts") or 0) < 1:
         raise ModelLoadError(f"{where}: GLM's experts without a shared expert are not supported")
-    return dict(**hf_partial_rope(c, head_dim, where), ffn_dim=int(c["moe_intermediate_size"]), n_experts=int(n), n_experts_used=int(c["num_experts_per_tok"]),
-                moe_norm_topk=bool(c.get("norm_topk_prob", True)), moe_gating="sigmoid",
+    return dict(**hf_partial_rope(c, head_dim, where), ffn_dim=int(c["moe_intermediate_size"]), n_experts=int(n),
+                n_experts_used=int(c["num_experts_per_tok"]), moe_norm_topk=bool(c.get("norm_topk_prob", True)), moe_gating="sigmoid",
                 moe_scale=float(c.get("routed_scaling_factor") or 1.0),
                 moe_groups=int(c.get("n_group") or 1), moe_groups_used=int(c.get("topk_group") or 1),
                 dense_layers=int(c.get("first_k_dense_replace") or 0))
