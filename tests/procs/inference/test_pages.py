@@ -2,10 +2,15 @@
 transparent huge pages, a growing one on 4 KB pages (its capacity runs up to twice its
 length, rows that cost nothing until written there), and huge_pages=False keeps any session
 off them, as does one small enough for malloc's heap. Read from the process's own
-AnonHugePages of the sessions' own mappings; skipped unless the kernel's mode is `madvise`."""
+AnonHugePages of the sessions' own mappings; skipped unless the kernel's mode is `madvise`.
+Each test runs in a fresh process: after the rest of the suite, malloc's state (its dynamic
+mmap threshold, its heap) put a growing session's rows where huge pages were (a Xeon's run,
+14 MB of them), which a test of this process's own pages cannot tell from the session's."""
 from __future__ import annotations
 
+import multiprocessing
 import re
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -46,7 +51,18 @@ def fallbacks() -> int:
     return 0
 
 
+def in_fresh_process(fn, *args):
+    """fn(*args) in a spawned process (its assertions fail here, with their message)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result()
+
+
 def test_only_sessions_filled_whole_are_on_huge_pages(model_path):
+    in_fresh_process(_only_sessions_filled_whole, model_path)
+
+
+def _only_sessions_filled_whole(model_path):
+    torch.set_num_threads(2)
     m = Llama(load(model_path, torch.float32, "cpu"), 4096, packed=False)
     n = 3000
     src = KVSession(m, 4096, 512)
@@ -83,6 +99,11 @@ def test_a_restored_windowed_layer_stays_on_small_pages():
     pages each would hold 2 MB resident for its few hundred KB, so only the layers written
     whole (the global ones) are advised; a fork's copy writes every row of every layer and
     advises them all."""
+    in_fresh_process(_restored_windowed_layer)
+
+
+def _restored_windowed_layer():
+    torch.set_num_threads(2)
     from common.config import Settings
     from common.models import resolve
     m = Llama(load(resolve("gemma3-270m", Settings().models_path()), torch.float32, "cpu"), 8192, packed=False)
