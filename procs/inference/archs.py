@@ -90,7 +90,7 @@ ARCHS["gpt-oss"] = ARCHS["gpt_oss"] = Arch(
     gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
 # GLM-4.5 / 4.6 / 4.7 (Air too): Llama attention over the first half of each head's dims
 # (partial RoPE, NeoX pairs), q/k/v biases and q/k norms where the config sets them
-# (glm_variant), the first layers dense, the others routed experts by sigmoid scores plus a
+# (variant), the first layers dense, the others routed experts by sigmoid scores plus a
 # shared expert; its MTP layers (nextn) are not run. llama.cpp names the MLP's norm
 # post_attention_norm.
 ARCHS["glm4moe"] = ARCHS["glm4_moe"] = Arch(
@@ -102,6 +102,10 @@ ARCHS["glm4moe"] = ARCHS["glm4_moe"] = Arch(
 ARCHS["glm4"] = Arch("glm4", gguf_permuted_qk=False, post_norms=True, fused_mlp=True, partial_rope=True,
                      interleaved_rope=True, hf_names=(("post_attn_norm", "post_self_attn_layernorm.weight"),
                                                       ("post_ffn_norm", "post_mlp_layernorm.weight")))
+# Seed-OSS (ByteDance, 36B): Llama with q/k/v biases and, where attention_out_bias says so,
+# an output bias (NeoX RoPE, unpermuted in its GGUF, whose MLP norm is post_attention_norm)
+ARCHS["seed_oss"] = Arch("seed_oss", qkv_bias=True, gguf_permuted_qk=False,
+                         gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
 GPT_OSS_SWA_PATTERN = 2         # layer i slides when i % 2 == 0 (transformers' layer_types default)
 # Gemma 3: every 6th layer attends globally, the others over a sliding window with their own
 # RoPE base (llama.cpp's set_swa_pattern(6) and rope_freq_base_train_swa; transformers'
@@ -304,11 +308,11 @@ def gguf_gpt_oss(meta: dict, prefix: str, n_layers: int) -> dict:
     return dict(windows=windows, swiglu_alpha=1.702, swiglu_limit=7.0)
 
 
-def glm_variant(arch: Arch, qkv_bias: bool, qk_norm: bool) -> Arch:
-    """GLM's attention biases and q/k norms are per model (config's attention_bias and
-    use_qk_norm; in a GGUF, the tensors' presence): the same math name either way, the
-    tensors themselves tell the fingerprint apart."""
-    return dataclasses.replace(arch, qkv_bias=qkv_bias, qk_norm=qk_norm)
+def variant(arch: Arch, **flags: bool) -> Arch:
+    """GLM's and Seed-OSS's attention biases and q/k norms are per model (the config's
+    attention_bias, attention_out_bias, use_qk_norm; in a GGUF, the tensors' presence): the
+    same math name either way, the tensors themselves tell the fingerprint apart."""
+    return dataclasses.replace(arch, **flags)
 
 
 def hf_partial_rope(c: dict, head_dim: int, where: str) -> dict:

@@ -22,9 +22,10 @@ import torch
 from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
                                           mxfp4_rows, q4_parts, q8_parts)
-from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, glm_variant, gguf_gemma3, gguf_glm4moe,
+from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe,
                                    gguf_gpt_oss, gguf_moe, gguf_rope, hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_moe,
-                                   hf_partial_rope, hf_phi3, hf_rope, layer_names, tensor_name, unused_math)
+                                   hf_partial_rope, hf_phi3, hf_rope, layer_names, tensor_name, unused_math,
+                                   variant)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
@@ -222,14 +223,16 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path, truncate=arch.name != "gpt-oss")
     n_layers = int(m[p + "block_count"])
     if arch.shared_expert:
-        arch = glm_variant(arch, "blk.0.attn_q.bias" in g.tensors, "blk.0.attn_q_norm.weight" in g.tensors)
+        arch = variant(arch, qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
         extra = {**gguf_glm4moe(m, p, path), "rope_dims": rope_dims if rope_dims != head_dim else 0}
         n_layers -= int(m.get(p + "nextn_predict_layers", 0))     # MTP layers, not run
     else:
         extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
         if arch.partial_rope:       # GLM-4
-            arch = glm_variant(arch, "blk.0.attn_q.bias" in g.tensors, False)
+            arch = variant(arch, qkv_bias="blk.0.attn_q.bias" in g.tensors)
             extra["rope_dims"] = rope_dims if rope_dims != head_dim else 0
+    if arch.name == "seed_oss":
+        arch = variant(arch, qkv_bias="blk.0.attn_q.bias" in g.tensors, o_bias="blk.0.attn_output.bias" in g.tensors)
     if arch.name == "gpt-oss":
         extra.update(gguf_gpt_oss(m, p, int(m[p + "block_count"])))
     if arch.name == "gemma3":
@@ -381,13 +384,15 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         extra = hf_gpt_oss(c, head_dim, path)
         _gpt_oss_experts(st)
     elif arch.shared_expert:
-        arch = glm_variant(arch, bool(c.get("attention_bias")), bool(c.get("use_qk_norm")))
+        arch = variant(arch, qkv_bias=bool(c.get("attention_bias")), qk_norm=bool(c.get("use_qk_norm")))
         extra = hf_glm4moe(c, head_dim, path)
     elif arch.partial_rope:         # GLM-4
-        arch = glm_variant(arch, bool(c.get("attention_bias")), False)
+        arch = variant(arch, qkv_bias=bool(c.get("attention_bias")))
         extra = hf_partial_rope(c, head_dim, path)
     elif arch.name != "gemma3" and not arch.fused:
         extra = dict(zip(("rope_theta", "rope_factors", "rope_attn_factor"), hf_rope(c, head_dim, path)))
+        if arch.name == "seed_oss":
+            arch = variant(arch, qkv_bias=bool(c.get("attention_bias", True)), o_bias=bool(c.get("attention_out_bias")))
     if arch.name != "gpt-oss" and not arch.shared_expert:
         extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))
     if arch.fused and c.get("sliding_window"):

@@ -81,7 +81,8 @@ class Llama:
         self.attend = kernels.attention if fits else _decode_attention
         self.prefill_attend = kernels.prefill if native_prefill and fits \
             and kernels.prefill.takes(c.n_heads // c.n_kv_heads, c.head_dim) else None
-        native = kernels is not None and kernels.takes(self)
+        # the native decoder has no attention output bias (gpt-oss's, a Seed-OSS with one)
+        native = kernels is not None and kernels.takes(self) and not any(n.endswith(".bo") for n in t)
         self.kernels = kernels if native else None
         self.layers = []
         q4, q8, q8p = w.q4 or {}, w.q8, w.q8_parts or {}

@@ -86,7 +86,8 @@ class Dispatch:
             opened = harmony.opener(tool_choice(p.req) if p.req.tools else "none", bool(p.req.response_format))
             p.harmony = harmony.Channels(self.call_format.new_id, opened)
         elif p.req.kind == "chat" and self.thinks:
-            p.think = thinking.Think(thinking.opened(p.prompt[-64:].decode("utf-8", "replace")))
+            p.think = thinking.Think(thinking.opened(p.prompt[-64:].decode("utf-8", "replace"), self.thinks),
+                                     self.thinks)
         if p.harmony is None and p.req.tools:
             choice = tool_choice(p.req)
             if choice == "none":

@@ -88,7 +88,7 @@ class Renderer(Readiness, Answers, Dispatch):
         self.grammars = grammar.Checker(guidance.tokenizer(self.text),
                                         specials=frozenset(a.content for a in added.values() if a.special))
         self.call_format = toolfmt.detect(self.text.chat_template)   # the model family's call syntax
-        self.thinks = thinking.detect(self.text.chat_template)       # answers may open with <think>
+        self.thinks = thinking.detect(self.text.chat_template)       # answers may open with <think>: its tags
         self.prompts = PromptEncoder(self.text)
         self.enc = m.encoder()
         self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.EventsIn)

@@ -1,4 +1,5 @@
-"""A thinking model's `<think>...</think>` (Qwen3, QwQ, DeepSeek-R1 and their distills, SmolLM3):
+"""A thinking model's `<think>...</think>` (Qwen3, QwQ, DeepSeek-R1 and their distills, SmolLM3,
+GLM-4.5; Seed-OSS's `<seed:think>...</seed:think>`):
 the thinking at the start of an answer comes back as reasoning, the rest as the answer, as
 llama.cpp's default reasoning format (deepseek) and vLLM's reasoning parsers return them.
 
@@ -12,24 +13,26 @@ from __future__ import annotations
 from procs.renderer.harmony import held
 
 OPEN, CLOSE = "<think>", "</think>"
+TAGS = ((OPEN, CLOSE), ("<seed:think>", "</seed:think>"))
 
 
-def detect(template: str | None) -> bool:
-    """A chat template that speaks of thinking blocks."""
+def detect(template: str | None) -> tuple[str, str] | None:
+    """The thinking block's tags a chat template speaks of, or None."""
     src = template or ""
-    return OPEN in src and CLOSE in src
+    return next(((o, c) for o, c in reversed(TAGS) if o in src and c in src), None)
 
 
-def opened(prompt: str) -> bool:
-    """The generation prompt ends inside a thinking block (its `<think>` not closed)."""
+def opened(prompt: str, tags: tuple[str, str] = TAGS[0]) -> bool:
+    """The generation prompt ends inside a thinking block (its opening tag not closed)."""
     tail = prompt.rstrip()
-    return tail.endswith(OPEN)
+    return tail.endswith(tags[0])
 
 
 class Think:
     """Splits an answer into (reasoning, content), incrementally."""
 
-    def __init__(self, inside: bool):
+    def __init__(self, inside: bool, tags: tuple[str, str] = TAGS[0]):
+        self.open, self.close = tags
         # "start": the answer may still open with <think>; "in": thinking; "gap": the blank
         # lines after </think>; "out": the answer
         self.state = "in" if inside else "start"
@@ -42,22 +45,22 @@ class Think:
         while self.buf:
             if self.state == "start":
                 lead = self.buf.lstrip()
-                if lead.startswith(OPEN):
-                    self._skip(len(self.buf) - len(lead) + len(OPEN))
+                if lead.startswith(self.open):
+                    self._skip(len(self.buf) - len(lead) + len(self.open))
                     self.state = "in"
                     continue
-                if OPEN.startswith(lead):          # (all blank so far, or a part of <think>)
+                if self.open.startswith(lead):          # (all blank so far, or a part of <think>)
                     break
                 self.state = "out"
             elif self.state == "in":
-                i = self.buf.find(CLOSE)
+                i = self.buf.find(self.close)
                 if i < 0:
-                    cut = len(self.buf) - held(self.buf, CLOSE)
+                    cut = len(self.buf) - held(self.buf, self.close)
                     reasoning += self.buf[:cut]
                     self._skip(cut)
                     break
                 reasoning += self.buf[:i]
-                self._skip(i + len(CLOSE))
+                self._skip(i + len(self.close))
                 self.state = "gap"
             elif self.state == "gap":
                 lead = self.buf.lstrip("\r\n")

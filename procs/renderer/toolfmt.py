@@ -22,6 +22,8 @@ Families (the format is recognised in the GGUF's own template text, as llama.cpp
 - qwen_xml (Qwen3-Coder, later Qwen templates): `<tool_call>\n<function=NAME>\n` then
   `<parameter=KEY>\nVALUE\n</parameter>\n` per argument, `</function>\n</tool_call>`; a
   string value as it is, any other as JSON (procs/renderer/toolxml.py).
+- seed_xml (Seed-OSS): qwen_xml's bodies inside `<seed:tool_call>`, a value as
+  `<parameter=KEY>VALUE</parameter>\n`.
 - glm (GLM-4.5, 4.6): `<tool_call>NAME\n` then `<arg_key>KEY</arg_key>\n<arg_value>VALUE`
   `</arg_value>\n` per argument, `</tool_call>`; glm_compact (GLM-4.7 and later): the same
   without the newlines. Values as qwen_xml's.
@@ -132,6 +134,10 @@ MISTRAL_ARGS = Format("mistral_args", native=True, trigger="[TOOL_CALLS]", head_
 QWEN_XML = Format("qwen_xml", native=True, trigger="<tool_call>", head_pre="<tool_call>\n",
                   tail="</function>\n</tool_call>", sep="\n", close="</tool_call>", kind="xml",
                   value_open="\n", value_close="\n</parameter>\n")
+# Seed-OSS: Qwen3-Coder's bodies in its own tags, a value without newlines around it
+SEED = dataclasses.replace(QWEN_XML, name="seed_xml", trigger="<seed:tool_call>", head_pre="<seed:tool_call>\n",
+                           tail="</function>\n</seed:tool_call>", close="</seed:tool_call>", value_open="",
+                           value_close="</parameter>\n")
 # GLM-4.5 / 4.6: the name after the tag, keys and values in tags of their own
 GLM = dataclasses.replace(QWEN_XML, name="glm", head_pre="<tool_call>", tail="</tool_call>", name_open="",
                           name_close="\n", key_open="<arg_key>", key_close="</arg_key>", fn_close="",
@@ -158,6 +164,8 @@ def detect(template: str | None) -> Format:
         if "[ARGS]" in src:
             return MISTRAL_ARGS
         return MISTRAL_SPACED if "[TOOL_CALLS] [" in src else MISTRAL
+    if "<seed:tool_call>" in src:
+        return SEED
     if "<tool_call>" in src:
         if "<function=" in src and "<parameter=" in src:     # Qwen3-Coder's XML bodies
             return QWEN_XML

@@ -99,6 +99,9 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
     "glm4": ("Glm4Config", dict(attention_bias=True, tie_word_embeddings=False,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                  "partial_rotary_factor": 0.5}), "glm4"),
+    # Seed-OSS: Llama with q/k/v biases (no output bias, as released)
+    "seed_oss": ("SeedOssConfig", dict(attention_bias=True, attention_out_bias=False, rope_theta=1e7,
+                                       tie_word_embeddings=False), "seed_oss"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},

@@ -46,3 +46,20 @@ def test_opened_and_detect():
     assert thinking.detect((TEMPLATES / "think.jinja").read_text())
     assert not any(thinking.detect((TEMPLATES / f"{n}.jinja").read_text())
                    for n in ("hermes", "llama3", "mistral", "qwen_xml", "harmony"))
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_seed_tags(step):
+    """Seed-OSS's `<seed:think>` block: read from the template, split as `<think>`'s, where a
+    bare `<think>` is text."""
+    tags = thinking.detect("{{ '<seed:think>' + m.reasoning_content + '</seed:think>' }}")
+    assert tags == ("<seed:think>", "</seed:think>")
+    text = "<seed:think>Plan <think>x</think>.</seed:think>\n\nDone."
+    t = thinking.Think(False, tags)
+    r, c = "", ""
+    for i in range(0, len(text), step):
+        a, b = t.push(text[i:i + step])
+        r, c = r + a, c + b
+    a, b = t.flush()
+    assert (r + a, c + b) == ("Plan <think>x</think>.", "Done.")
+    assert thinking.opened("<seed:think>", tags) and not thinking.opened("<think>", tags)

@@ -1,6 +1,6 @@
 """XML call bodies (procs/renderer/toolxml.py) without processes, in each format that writes
-them: Qwen3-Coder's `<function=`/`<parameter=`, GLM-4.5's `<arg_key>`/`<arg_value>` pairs
-and GLM-4.7's compact ones. Per format: read from its template, a call rendered as the
+them: Qwen3-Coder's `<function=`/`<parameter=`, Seed-OSS's in `<seed:tool_call>`, GLM-4.5's
+`<arg_key>`/`<arg_value>` pairs and GLM-4.7's compact ones. Per format: read from its template, a call rendered as the
 template renders it, values by their schema (a string as written, anything else JSON), a
 value holding the format's own tags, calls streamed however the text is split, a call cut at
 every point, a malformed call skipped, and the grammar that writes what the family's template
@@ -19,14 +19,18 @@ from procs.inference.guide import Guides
 from procs.renderer import grammar, toolfmt, toolxml
 from procs.renderer import tools as t
 from procs.renderer.prompt import render
-from procs.renderer.toolfmt import GLM, GLM_COMPACT, QWEN_XML
+from procs.renderer.toolfmt import GLM, GLM_COMPACT, QWEN_XML, SEED
 
 _DIR = Path(__file__).resolve().parents[2] / "data" / "templates"
 _GLM45 = (_DIR / "glm.jinja").read_text()
 TEMPLATES = {   # GLM-4.7's shape: GLM-4.5's without the newlines around keys and values
     "qwen_xml": (_DIR / "qwen_xml.jinja").read_text(), "glm": _GLM45,
     "glm_compact": _GLM45.replace("'<tool_call>' + tc.name + '\\n'", "'<tool_call>' + tc.name")
-    .replace("'</arg_key>\\n<arg_value>'", "'</arg_key><arg_value>'").replace("'</arg_value>\\n'", "'</arg_value>'")}
+    .replace("'</arg_key>\\n<arg_value>'", "'</arg_key><arg_value>'").replace("'</arg_value>\\n'", "'</arg_value>'"),
+    # Seed-OSS's shape: Qwen3-Coder's in <seed:tool_call>, no newlines around a value
+    "seed_xml": (_DIR / "qwen_xml.jinja").read_text().replace("<tool_call>", "<seed:tool_call>")
+    .replace("</tool_call>", "</seed:tool_call>").replace("'<parameter=' + args_name + '>\\n'", "'<parameter=' + args_name + '>'")
+    .replace("'\\n</parameter>\\n'", "'</parameter>\\n'")}
 EDIT = {"type": "object", "properties": {"path": {"type": "string"}, "line": {"type": "integer"},
                                           "code": {"type": "string"}, "flags": {"type": "array", "items": {"type": "string"}},
                                           "dry": {"type": ["boolean", "null"]}},
@@ -42,10 +46,11 @@ def _hard(code: str) -> dict:   # in the schema's order, as the grammar writes p
 
 HARD = {"qwen_xml": _hard("x = '</parameter>'\n</parameter>y\nprint('</function>\\n</tool_call>')\n"),
         "glm": _hard("x = '</tool_call>'\n<arg_key>y</arg_key>\n<arg_value>z</arg_value>w\n"),
-        "glm_compact": _hard("x = '</tool_call>'\n<arg_key>y</arg_key>\n<arg_value>z</arg_value\n")}
+        "glm_compact": _hard("x = '</tool_call>'\n<arg_key>y</arg_key>\n<arg_value>z</arg_value\n"),
+        "seed_xml": _hard("x = '</parameter>'\n</parameter>y\nprint('</function>\\n</seed:tool_call>')\n")}
 
 
-@pytest.fixture(params=[QWEN_XML, GLM, GLM_COMPACT], ids=lambda f: f.name)
+@pytest.fixture(params=[QWEN_XML, SEED, GLM, GLM_COMPACT], ids=lambda f: f.name)
 def fmt(request):
     return request.param
 
@@ -76,6 +81,8 @@ def test_values_follow_the_schema_and_render_as_the_template_does(text_model, fm
     want = {"qwen_xml": ["<function=edit>\n<parameter=path>\n12\n</parameter>\n", "<parameter=dry>\nfalse\n</parameter>\n"],
             "glm": ["<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>12</arg_value>\n",
                     "<arg_key>dry</arg_key>\n<arg_value>false</arg_value>\n</tool_call>"],
+            "seed_xml": ["<seed:tool_call>\n<function=edit>\n<parameter=path>12</parameter>\n",
+                         "<parameter=dry>false</parameter>\n</function>\n</seed:tool_call>"],
             "glm_compact": ["<tool_call>edit<arg_key>path</arg_key><arg_value>12</arg_value><arg_key>line",
                             "<arg_key>dry</arg_key><arg_value>false</arg_value></tool_call>"]}[fmt.name]
     assert all(w in block for w in want), block
