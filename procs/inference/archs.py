@@ -106,6 +106,8 @@ ARCHS["glm4"] = Arch("glm4", gguf_permuted_qk=False, post_norms=True, fused_mlp=
 # an output bias (NeoX RoPE, unpermuted in its GGUF, whose MLP norm is post_attention_norm)
 ARCHS["seed_oss"] = Arch("seed_oss", qkv_bias=True, gguf_permuted_qk=False,
                          gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
+# SmolLM3: Llama whose every 4th layer has no RoPE (NoPE; its own rotary table of frequency 0)
+ARCHS["smollm3"] = Arch("smollm3")
 GPT_OSS_SWA_PATTERN = 2         # layer i slides when i % 2 == 0 (transformers' layer_types default)
 # Gemma 3: every 6th layer attends globally, the others over a sliding window with their own
 # RoPE base (llama.cpp's set_swa_pattern(6) and rope_freq_base_train_swa; transformers'
@@ -306,6 +308,12 @@ def gguf_gpt_oss(meta: dict, prefix: str, n_layers: int) -> dict:
     window = int(meta.get(prefix + "attention.sliding_window", 0))
     windows = tuple(window if i % GPT_OSS_SWA_PATTERN == 0 else 0 for i in range(n_layers)) if window else ()
     return dict(windows=windows, swiglu_alpha=1.702, swiglu_limit=7.0)
+
+
+def nope_layers(n_layers: int, every: int = 4) -> tuple[bool, ...]:
+    """SmolLM3's layers without RoPE: every `every`-th (transformers' no_rope_layer_interval
+    default, llama.cpp's n_no_rope_layer_step)."""
+    return tuple((i + 1) % every == 0 for i in range(n_layers))
 
 
 def variant(arch: Arch, **flags: bool) -> Arch:

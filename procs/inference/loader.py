@@ -24,8 +24,8 @@ from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYP
                                           mxfp4_rows, q4_parts, q8_parts)
 from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe,
                                    gguf_gpt_oss, gguf_moe, gguf_rope, hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_moe,
-                                   hf_partial_rope, hf_phi3, hf_rope, layer_names, tensor_name, unused_math,
-                                   variant)
+                                   hf_partial_rope, hf_phi3, hf_rope, layer_names, nope_layers, tensor_name,
+                                   unused_math, variant)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
@@ -81,6 +81,8 @@ class ModelConfig:
     moe_groups: int = 1
     moe_groups_used: int = 1
     dense_layers: int = 0
+    # SmolLM3: per layer, whether it skips RoPE (NoPE); () when every layer rotates
+    no_rope: tuple[bool, ...] = ()
 
 
 @dataclass
@@ -231,6 +233,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         if arch.partial_rope:       # GLM-4
             arch = variant(arch, qkv_bias="blk.0.attn_q.bias" in g.tensors)
             extra["rope_dims"] = rope_dims if rope_dims != head_dim else 0
+    if arch.name == "smollm3":      # llama.cpp's step, which its GGUF does not state
+        extra["no_rope"] = nope_layers(n_layers)
     if arch.name == "seed_oss":
         arch = variant(arch, qkv_bias="blk.0.attn_q.bias" in g.tensors, o_bias="blk.0.attn_output.bias" in g.tensors)
     if arch.name == "gpt-oss":
@@ -393,6 +397,9 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         extra = dict(zip(("rope_theta", "rope_factors", "rope_attn_factor"), hf_rope(c, head_dim, path)))
         if arch.name == "seed_oss":
             arch = variant(arch, qkv_bias=bool(c.get("attention_bias", True)), o_bias=bool(c.get("attention_out_bias")))
+        if arch.name == "smollm3":   # no_rope_layers: 1 where a layer rotates
+            flags = c.get("no_rope_layers") or nope_layers(c["num_hidden_layers"], c.get("no_rope_layer_interval", 4))
+            extra["no_rope"] = tuple(not f for f in flags)
     if arch.name != "gpt-oss" and not arch.shared_expert:
         extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))
     if arch.fused and c.get("sliding_window"):

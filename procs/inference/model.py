@@ -15,6 +15,7 @@ its logits are bit-identical.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -128,7 +129,7 @@ class Llama:
                 moe,
                 t.get(p + "post_ffn_norm"),
                 window,
-                1 if window and c.rope_theta_local else 0,     # which rotary table
+                1 if (window and c.rope_theta_local) or (c.no_rope and c.no_rope[i]) else 0,   # which rotary table
                 t.get(p + "bo"),
                 t[p + "sinks"].float() if p + "sinks" in t else None,
             ))
@@ -156,6 +157,8 @@ class Llama:
         self.rope_specs = [(c.rope_theta, factors, c.rope_attn_factor)]
         if c.rope_theta_local:
             self.rope_specs.append((c.rope_theta_local, (), 1.0))
+        elif c.no_rope:     # NoPE layers (SmolLM3): every frequency divided to 0, cos 1 and sin 0
+            self.rope_specs.append((c.rope_theta, (math.inf,) * ((c.rope_dims or c.head_dim) // 2), 1.0))
         self.rope = [(torch.empty(max_context, c.head_dim, dtype=self.dtype, device=self.device),
                       torch.empty(max_context, c.head_dim, dtype=self.dtype, device=self.device))
                      for _ in self.rope_specs]

@@ -102,6 +102,8 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
     # Seed-OSS: Llama with q/k/v biases (no output bias, as released)
     "seed_oss": ("SeedOssConfig", dict(attention_bias=True, attention_out_bias=False, rope_theta=1e7,
                                        tie_word_embeddings=False), "seed_oss"),
+    # SmolLM3: layer 3 of 4 without RoPE
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, rope_theta=1e6, tie_word_embeddings=True), "smollm3"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -251,7 +253,7 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None
         a = t.numpy().astype(np.float32)
         if gemma and hf_name.endswith("norm.weight"):   # the converter folds Gemma's (1 + w)
             a = a + 1
-        if arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name):
+        if arch in ("llama", "smollm3") and ("q_proj" in hf_name or "k_proj" in hf_name):   # LlamaModel's permute
             a = _permute(a, c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads)
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         # weights only: llama.cpp's quantizer keeps biases (gpt-oss's experts' are 2-D) in F32
