@@ -220,7 +220,8 @@ TOOL_ASK = "Run the shell command cat main.py and tell me what the file contains
 # this model's first call was often the Agent tool, whose sub-agent prefills a ~12k-token
 # prompt of its own before the result comes back (293-315 s emulating an AVX2-only machine
 # in f32 on 2 cores, 56-108 s in bf16 on a Xeon with AMX); without it, a Read call after one
-# cold ~20k-token prefill (63-120 s in bf16, 4 runs of 4). With only Bash and Read listed
+# cold ~20k-token prefill (63-120 s in bf16, 4 runs of 4; in the suite 174 s in f32, 70 s in
+# bf16). With only Bash and Read listed
 # (`--tools`, a 2.7k-token prompt) the model answered in text in one run of three. The
 # deadline leaves room for a slower CPU.
 ROUND_TRIP_S = 600
