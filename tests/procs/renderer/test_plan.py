@@ -2,8 +2,6 @@
 here (no files are read), a live session given as ids."""
 from __future__ import annotations
 
-import dataclasses
-
 from common import messages as m
 from common.config import Settings
 from common.trace import Trace
@@ -105,19 +103,3 @@ def test_ties_go_to_the_hinted_session_then_the_most_recent(text_model):
     sessions = {4: m.LiveSession(sid=4, tokens=a), 9: m.LiveSession(sid=9, tokens=b)}   # 9 most recent
     assert plan_job(s, text_model, 8192, ix, sessions, 4, CHAT, prompt, full).source == 9
     assert plan_job(s, text_model, 8192, ix, sessions, 4, CHAT, prompt, full, hint=4).source == 4
-
-
-def test_a_session_short_of_min_tokens_is_continued_in_place(text_model):
-    """A reuse within IN_PLACE_TAIL of the whole session costs nothing however short (the
-    session is cut in place): min_tokens does not apply to it. A short shared prefix that would
-    need a copy still does. (A template that renders another end token than the one sampled:
-    the next turn shares all but the session's last token.)"""
-    s, ix, prompt, full = setup(text_model, n_words=100)
-    s = dataclasses.replace(s, kv_cache_min_tokens=512)
-    ix.update(m.IndexSnapshot(entries=(), version=1))
-    assert len(full) < 512
-    ended = {1: m.LiveSession(sid=1, tokens=tuple(full[:150] + [7]))}
-    pl = plan_job(s, text_model, 8192, ix, ended, 4, CHAT, prompt, full)
-    assert (pl.session, pl.reuse, pl.cached) == (1, 150, 150)
-    branch = {1: m.LiveSession(sid=1, tokens=tuple(full[:150] + [7] * 40))}
-    assert plan_job(s, text_model, 8192, ix, branch, 4, CHAT, prompt, full).reuse == 0
