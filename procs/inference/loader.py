@@ -22,10 +22,11 @@ import torch
 from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
                                           mxfp4_rows, q4_parts, q8_parts)
+from procs.inference.rows import ROTATED, rotary_perm, rotary_rows, split_fused, unpermute
 from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe,
-                                   gguf_gpt_oss, gguf_moe, gguf_rope, hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_moe,
-                                   hf_partial_rope, hf_phi3, hf_rope, layer_names, nope_layers, tensor_name,
-                                   unused_math, variant)
+                                   gguf_gpt_oss, gguf_moe, gguf_rope, gguf_variant, hf_gemma3, hf_glm4moe,
+                                   hf_gpt_oss, hf_moe, hf_partial_rope, hf_phi3, hf_rope, hf_variant,
+                                   layer_names, nope_layers, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
@@ -98,76 +99,6 @@ class LoadedWeights:
     q8_parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = None
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # [heads * head_dim, dim]: GGUF interleaves rotary pairs; HF keeps halves apart.
-    out, inp = w.shape
-    return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
-
-
-def rotary_perm(head_dim: int, rope_dims: int, interleaved: bool = False) -> torch.Tensor | None:
-    """Rows of a head in the order that makes partial rotary embeddings (the first R dims
-    rotate, as pairs (i, i + R/2); interleaved: as pairs (2i, 2i + 1)) rotate-half pairs of
-    the whole head (j, j + D/2): the rotated halves first in each half, the pass-through
-    dims after them, whose frequency is zero (rope.rotary). Q and K alike, so their dot
-    products are unchanged."""
-    rope_dims = rope_dims or head_dim
-    if rope_dims == head_dim and not interleaved:
-        return None
-    r, p = rope_dims // 2, (head_dim - rope_dims) // 2
-    order = torch.cat([torch.arange(0, r), torch.arange(2 * r, 2 * r + p),
-                       torch.arange(r, 2 * r), torch.arange(2 * r + p, head_dim)])
-    if not interleaved:
-        return order
-    # half-split position i < r is the pair's first dim 2i, i >= r its second 2(i - r) + 1
-    halves = torch.cat([torch.arange(0, 2 * r, 2), torch.arange(1, 2 * r, 2), torch.arange(2 * r, head_dim)])
-    return halves[order]
-
-
-ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")   # per-head rows that rotary_perm reorders
-
-
-def rotary_rows(t: torch.Tensor, head_dim: int, perm: torch.Tensor) -> torch.Tensor:
-    """t's rows (or a [D] norm's values) reordered by perm within each head."""
-    return t.reshape(-1, head_dim, *t.shape[1:])[:, perm].reshape(t.shape)
-
-
-def _split_fused(d: dict, cfg: ModelConfig) -> None:
-    """Replace each layer's fused tensors (archs.fused_rows) in d by their row ranges. In a
-    Lazy dict each range is made when first read, from the fused value made once and
-    dropped when its last range is taken; a value may be a tensor or a tuple of row-aligned
-    parts (quantized levels and scales)."""
-    perm = rotary_perm(cfg.head_dim, cfg.rope_dims)
-
-    def rows(v, a: int, b: int, ours: str = ""):
-        one = lambda t: t[a:b].clone() if perm is None or ours not in ("wq", "wk") else \
-            rotary_rows(t[a:b], cfg.head_dim, perm)
-        return one(v) if isinstance(v, torch.Tensor) else tuple(one(t) for t in v)
-    for fused, parts in fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim).items():
-        for i in range(cfg.n_layers):
-            name = f"layers.{i}.{fused}"
-            if name not in d:
-                continue
-            if not isinstance(d, Lazy):
-                v = d.pop(name)
-                for ours, a, b in parts:
-                    d[f"layers.{i}.{ours}"] = rows(v, a, b, ours)
-                continue
-            make = d._make.pop(name, None)          # the fused name leaves the dict now
-            made = dict.pop(d, name)
-            state = {"make": make or (lambda made=made: made), "value": None, "left": len(parts)}
-
-            def part(a, b, ours, state=state):
-                if state["value"] is None:
-                    state["value"] = state["make"]()
-                out = rows(state["value"], a, b, ours)
-                state["left"] -= 1
-                if not state["left"]:
-                    state["value"] = None
-                return out
-            for ours, a, b in parts:
-                d.later(f"layers.{i}.{ours}", lambda a=a, b=b, ours=ours, part=part: part(a, b, ours))
-
-
 def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     """16 bytes naming the model, not its quantization: the architecture, the geometry, the
     RoPE scaling, plus the RMSNorm weights, which every GGUF quantization keeps in F32 and a
@@ -205,7 +136,7 @@ _REQUIRED = ("n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "head_dim", 
 
 def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     g = GGUFFile(path, strings=False)
-    arch = arch_of(g.arch(), path)
+    arch = gguf_variant(arch_of(g.arch(), path), g.tensors)
     m = g.meta
     p = g.arch() + "."
     try:
@@ -225,18 +156,14 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path, truncate=arch.name != "gpt-oss")
     n_layers = int(m[p + "block_count"])
     if arch.shared_expert:
-        arch = variant(arch, qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
         extra = {**gguf_glm4moe(m, p, path), "rope_dims": rope_dims if rope_dims != head_dim else 0}
         n_layers -= int(m.get(p + "nextn_predict_layers", 0))     # MTP layers, not run
     else:
         extra = gguf_moe(m, p, path) if arch.moe else dict(ffn_dim=int(m[p + "feed_forward_length"]))
         if arch.partial_rope:       # GLM-4
-            arch = variant(arch, qkv_bias="blk.0.attn_q.bias" in g.tensors)
             extra["rope_dims"] = rope_dims if rope_dims != head_dim else 0
     if arch.name == "smollm3":      # llama.cpp's step, which its GGUF does not state
         extra["no_rope"] = nope_layers(n_layers)
-    if arch.name == "seed_oss":
-        arch = variant(arch, qkv_bias="blk.0.attn_q.bias" in g.tensors, o_bias="blk.0.attn_output.bias" in g.tensors)
     if arch.name == "gpt-oss":
         extra.update(gguf_gpt_oss(m, p, int(m[p + "block_count"])))
     if arch.name == "gemma3":
@@ -278,7 +205,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         def dense(gname=gname, heads=heads, rot=rot, to=torch.float32 if f32 else dtype):
             w = dequant_to(g, gname, to)          # norms in f32: they are fingerprinted
             g.release(gname)
-            w = _unpermute(w, heads) if heads else w
+            w = unpermute(w, heads) if heads else w
             return (w if rot is None else rotary_rows(w, cfg.head_dim, rot)).to(device=device)
         if ours.endswith("norm"):     # fingerprinted as stored; q/k norms reordered after
             norms[ours] = dense(rot=None)
@@ -289,7 +216,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         def parts(read, gname=gname, heads=heads, rot=rot):
             x = read(g, gname)
             g.release(gname)
-            x = tuple(_unpermute(t, heads) for t in x) if heads else x
+            x = tuple(unpermute(t, heads) for t in x) if heads else x
             return x if rot is None else tuple(rotary_rows(t, cfg.head_dim, rot) for t in x)
         if info.type_name in INT4_TYPES and len(info.shape) == 2:
             q4.later(ours, lambda parts=parts: parts(q4_parts))
@@ -299,7 +226,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
                 q8p.later(ours, lambda parts=parts: parts(q8_parts))
     if arch.fused or arch.fused_mlp:
         for d in (tensors, q4, q8p):
-            _split_fused(d, cfg)
+            split_fused(d, cfg)
         split = fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim)
         q8 = {f"{n.rsplit('.', 1)[0]}.{ours}" for n in q8 for ours, _, _ in split.get(n.rsplit(".", 1)[-1], ())} | \
             {n for n in q8 if n.rsplit(".", 1)[-1] not in split}
@@ -367,7 +294,7 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
 def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
-    arch = arch_of(str(c.get("model_type")), path)
+    arch = hf_variant(arch_of(str(c.get("model_type")), path), c)
     if c.get("use_sliding_window"):
         raise ModelLoadError(f"{path}: sliding-window attention is not supported")
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -388,15 +315,11 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         extra = hf_gpt_oss(c, head_dim, path)
         _gpt_oss_experts(st)
     elif arch.shared_expert:
-        arch = variant(arch, qkv_bias=bool(c.get("attention_bias")), qk_norm=bool(c.get("use_qk_norm")))
         extra = hf_glm4moe(c, head_dim, path)
     elif arch.partial_rope:         # GLM-4
-        arch = variant(arch, qkv_bias=bool(c.get("attention_bias")))
         extra = hf_partial_rope(c, head_dim, path)
     elif arch.name != "gemma3" and not arch.fused:
         extra = dict(zip(("rope_theta", "rope_factors", "rope_attn_factor"), hf_rope(c, head_dim, path)))
-        if arch.name == "seed_oss":
-            arch = variant(arch, qkv_bias=bool(c.get("attention_bias", True)), o_bias=bool(c.get("attention_out_bias")))
         if arch.name == "smollm3":   # no_rope_layers: 1 where a layer rotates
             flags = c.get("no_rope_layers") or nope_layers(c["num_hidden_layers"], c.get("no_rope_layer_interval", 4))
             extra["no_rope"] = tuple(not f for f in flags)
@@ -435,7 +358,7 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     for name in [n for n in tensors if perm is not None and n.rsplit(".", 1)[-1] in ROTATED]:
         tensors[name] = rotary_rows(tensors[name], cfg.head_dim, perm)
     if arch.fused or arch.fused_mlp:
-        _split_fused(tensors, cfg)
+        split_fused(tensors, cfg)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})
 
 

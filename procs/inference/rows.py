@@ -1,0 +1,85 @@
+"""Weight rows in the order forward() reads them, made at load: a Llama GGUF's Q/K rows back
+from llama.cpp's interleaved RoPE pairs (unpermute), partial or adjacent-pair RoPE reordered
+into half-split pairs of the whole head (rotary_perm, rotary_rows), and fused tensors split
+into their parts (split_fused), lazily where the dict is a Lazy one."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from procs.inference.archs import fused_rows
+from procs.inference.gguf_tensors import Lazy
+
+if TYPE_CHECKING:
+    from procs.inference.loader import ModelConfig
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # [heads * head_dim, dim]: GGUF interleaves rotary pairs; HF keeps halves apart.
+    out, inp = w.shape
+    return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+def rotary_perm(head_dim: int, rope_dims: int, interleaved: bool = False) -> torch.Tensor | None:
+    """Rows of a head in the order that makes partial rotary embeddings (the first R dims
+    rotate, as pairs (i, i + R/2); interleaved: as pairs (2i, 2i + 1)) rotate-half pairs of
+    the whole head (j, j + D/2): the rotated halves first in each half, the pass-through
+    dims after them, whose frequency is zero (rope.rotary). Q and K alike, so their dot
+    products are unchanged."""
+    rope_dims = rope_dims or head_dim
+    if rope_dims == head_dim and not interleaved:
+        return None
+    r, p = rope_dims // 2, (head_dim - rope_dims) // 2
+    order = torch.cat([torch.arange(0, r), torch.arange(2 * r, 2 * r + p),
+                       torch.arange(r, 2 * r), torch.arange(2 * r + p, head_dim)])
+    if not interleaved:
+        return order
+    # half-split position i < r is the pair's first dim 2i, i >= r its second 2(i - r) + 1
+    halves = torch.cat([torch.arange(0, 2 * r, 2), torch.arange(1, 2 * r, 2), torch.arange(2 * r, head_dim)])
+    return halves[order]
+
+
+ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")   # per-head rows that rotary_perm reorders
+
+
+def rotary_rows(t: torch.Tensor, head_dim: int, perm: torch.Tensor) -> torch.Tensor:
+    """t's rows (or a [D] norm's values) reordered by perm within each head."""
+    return t.reshape(-1, head_dim, *t.shape[1:])[:, perm].reshape(t.shape)
+
+
+def split_fused(d: dict, cfg: ModelConfig) -> None:
+    """Replace each layer's fused tensors (archs.fused_rows) in d by their row ranges. In a
+    Lazy dict each range is made when first read, from the fused value made once and
+    dropped when its last range is taken; a value may be a tensor or a tuple of row-aligned
+    parts (quantized levels and scales)."""
+    perm = rotary_perm(cfg.head_dim, cfg.rope_dims)
+
+    def rows(v, a: int, b: int, ours: str = ""):
+        one = lambda t: t[a:b].clone() if perm is None or ours not in ("wq", "wk") else \
+            rotary_rows(t[a:b], cfg.head_dim, perm)
+        return one(v) if isinstance(v, torch.Tensor) else tuple(one(t) for t in v)
+    for fused, parts in fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim).items():
+        for i in range(cfg.n_layers):
+            name = f"layers.{i}.{fused}"
+            if name not in d:
+                continue
+            if not isinstance(d, Lazy):
+                v = d.pop(name)
+                for ours, a, b in parts:
+                    d[f"layers.{i}.{ours}"] = rows(v, a, b, ours)
+                continue
+            make = d._make.pop(name, None)          # the fused name leaves the dict now
+            made = dict.pop(d, name)
+            state = {"make": make or (lambda made=made: made), "value": None, "left": len(parts)}
+
+            def part(a, b, ours, state=state):
+                if state["value"] is None:
+                    state["value"] = state["make"]()
+                out = rows(state["value"], a, b, ours)
+                state["left"] -= 1
+                if not state["left"]:
+                    state["value"] = None
+                return out
+            for ours, a, b in parts:
+                d.later(f"layers.{i}.{ours}", lambda a=a, b=b, ours=ours, part=part: part(a, b, ours))
