@@ -36,6 +36,11 @@ _QWEN2_LIKE = {"qwen2", "stablelm2", "hunyuan"}
 _GPT4O_RE = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
              r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
              r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Tekken (tokenizer.ggml.pre "tekken": Mistral Nemo, Small 3.x, Devstral, Ministral 3): o200k's
+# words without their contractions, digits one by one (tekken.json's config.pattern)
+_TEKKEN_RE = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+              r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+              r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 TEXT_CACHE_SIZE = 32     # piece_bytes results of tuples kept (a few per resident session)
 TEXT_CACHE_MIN = 1024    # ids in a tuple worth keeping its bytes for
 _DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
@@ -232,7 +237,7 @@ def from_gguf(g: GGUFFile) -> TextModel:
     merges = [tuple(x.split(" ", 1)) for x in m.get("tokenizer.ggml.merges", [])]
     pre = str(m.get("tokenizer.ggml.pre", "default"))
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                     fuse_unk=False, ignore_merges=pre in _LLAMA3_LIKE or pre == "gpt-4o")
+                     fuse_unk=False, ignore_merges=pre in _LLAMA3_LIKE or pre in ("gpt-4o", "tekken"))
     tok = Tokenizer(bpe)
     if pre in _DIGITS_FIRST or pre in _GPT2_LIKE:
         regex = _GPT2_RE
@@ -242,6 +247,8 @@ def from_gguf(g: GGUFFile) -> TextModel:
         regex = _QWEN2_RE
     elif pre == "gpt-4o":
         regex = _GPT4O_RE
+    elif pre == "tekken":
+        regex = _TEKKEN_RE
     else:
         raise TokenizerError(f"unsupported pre-tokenizer {pre!r}")
     seq = []
@@ -263,7 +270,8 @@ def from_gguf(g: GGUFFile) -> TextModel:
             pieces.append(t.encode("utf-8"))
         else:
             pieces.append(bytes(bd[c] for c in t))
-    add_bos = bool(m.get("tokenizer.ggml.add_bos_token", False)) and pre not in _GLM4_LIKE
+    # a tekken file without the key starts with BOS, as llama.cpp's loader defaults it
+    add_bos = bool(m.get("tokenizer.ggml.add_bos_token", pre == "tekken")) and pre not in _GLM4_LIKE
     return _finish(tok, pieces, template, None if pre in _GLM4_LIKE else _opt_id(m, "bos"), _opt_id(m, "eos"),
                    add_bos, (_opt_id(m, "eot"), _opt_id(m, "eom")))
 

@@ -1,8 +1,11 @@
 """How each architecture reads its config.json or GGUF metadata into ModelConfig's fields
 beyond the Llama geometry (procs/inference/archs.py describes the tensors; rope.py the RoPE
 scaling): mixtures of experts, Phi-3's LongRoPE, gpt-oss's windows and SwiGLU, GLM-4.5's
-routing, Gemma 3's windows and bases, SmolLM3's layers without RoPE."""
+routing, Gemma 3's windows and bases, SmolLM3's layers without RoPE, Ministral 3's query
+scale."""
 from __future__ import annotations
+
+import struct
 
 from procs.inference.rope import ModelLoadError, hf_rope, longrope_attn
 
@@ -197,3 +200,31 @@ def gguf_gemma3(meta: dict, prefix: str, n_layers: int, dim: int, n_heads: int, 
     return dict(rope_theta_local=GEMMA3_LOCAL_THETA,
                 windows=gemma3_layers(n_layers, window) if window else (0,) * n_layers,
                 attn_scale=float(scale_dim) ** -0.5, embed_scale=float(dim) ** 0.5)
+
+
+def hf_q_scale(c: dict, where: str) -> dict:
+    """Ministral 3's query scale (transformers' get_llama_4_attn_scale) from its
+    rope_parameters: llama_4_scaling_beta (at f32 precision, as a GGUF stores it, so both
+    files make one config), over original_max_position_embeddings."""
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    beta = float(rp.get("llama_4_scaling_beta") or 0.0)
+    if not beta:
+        return {}
+    floor = rp.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+    if not floor:
+        raise ModelLoadError(f"{where}: llama_4_scaling_beta without original_max_position_embeddings")
+    return dict(q_scale_beta=struct.unpack("f", struct.pack("f", beta))[0], q_scale_floor=int(floor))
+
+
+def gguf_q_scale(meta: dict, prefix: str, where: str) -> dict:
+    """The same from GGUF metadata: attention.temperature_scale, over
+    attention.temperature_length where the file has it, else YaRN's original context (as
+    llama.cpp's mistral3 reads them)."""
+    beta = float(meta.get(prefix + "attention.temperature_scale", 0.0))
+    if not beta:
+        return {}
+    floor = int(meta.get(prefix + "attention.temperature_length", 0)
+                or meta.get(prefix + "rope.scaling.original_context_length", 0))
+    if not floor:
+        raise ModelLoadError(f"{where}: attention.temperature_scale without rope.scaling.original_context_length")
+    return dict(q_scale_beta=beta, q_scale_floor=floor)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 # arch_configs.py; re-exported for the loader and tests
 from procs.inference.arch_configs import (GEMMA3_LOCAL_THETA, GEMMA3_SWA_PATTERN,  # noqa: F401
                                           GPT_OSS_SWA_PATTERN, gemma3_layers, gguf_gemma3, gguf_glm4moe,
-                                          gguf_gpt_oss, gguf_moe, hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_moe,
-                                          hf_partial_rope, hf_phi3, nope_layers)
+                                          gguf_gpt_oss, gguf_moe, gguf_q_scale, hf_gemma3, hf_glm4moe, hf_gpt_oss,
+                                          hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, nope_layers)
 from procs.inference.rope import (ModelLoadError, gguf_rope, hf_rope, llama3_factors,  # noqa: F401
                                   longrope_attn, yarn_factors, yarn_mscale)
 
@@ -113,6 +113,9 @@ ARCHS["seed_oss"] = Arch("seed_oss", qkv_bias=True, gguf_permuted_qk=False,
                          gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
 # SmolLM3: Llama whose every 4th layer has no RoPE (NoPE; its own rotary table of frequency 0)
 ARCHS["smollm3"] = Arch("smollm3")
+# Ministral 3 (3B, 8B, 14B) and Devstral Small 2: Llama with YaRN and a query scale that grows
+# with the position past the trained context (GGUF mistral3, config.json ministral3)
+ARCHS["mistral3"] = ARCHS["ministral3"] = Arch("ministral3")
 # Gemma 3: every 6th layer attends globally, the others over a sliding window with their own
 # RoPE base (llama.cpp's set_swa_pattern(6) and rope_freq_base_train_swa; transformers'
 # layer_types and rope_parameters["sliding_attention"]).

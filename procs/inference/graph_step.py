@@ -67,4 +67,4 @@ def static_step(model, ids: torch.Tensor, pos: torch.Tensor, pool_k: torch.Tenso
         qg = q.reshape(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, D)
         o = grouped_attention(qg, kl[:B, :, :cap], vl[:B, :, :cap], masks[ly.window], model.scale, fused)
         return o.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
-    return model._blocks(x, ropes, lambda f, h: f(h), dense, attend)
+    return model._blocks(x, ropes, lambda f, h: f(h), dense, attend, model.q_scales(flat))

@@ -24,9 +24,9 @@ from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYP
                                           mxfp4_rows, q4_parts, q8_parts)
 from procs.inference.rows import ROTATED, rotary_perm, rotary_rows, split_fused, unpermute
 from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe,
-                                   gguf_gpt_oss, gguf_moe, gguf_rope, gguf_variant, hf_gemma3, hf_glm4moe,
-                                   hf_gpt_oss, hf_moe, hf_partial_rope, hf_phi3, hf_rope, hf_variant,
-                                   layer_names, nope_layers, tensor_name, unused_math)
+                                   gguf_gpt_oss, gguf_moe, gguf_q_scale, gguf_rope, gguf_variant, hf_gemma3,
+                                   hf_glm4moe, hf_gpt_oss, hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, hf_rope,
+                                   hf_variant, layer_names, nope_layers, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
@@ -84,6 +84,10 @@ class ModelConfig:
     dense_layers: int = 0
     # SmolLM3: per layer, whether it skips RoPE (NoPE); () when every layer rotates
     no_rope: tuple[bool, ...] = ()
+    # Ministral 3 / Devstral 2 (Llama 4's attention temperature): q, after RoPE, times
+    # 1 + q_scale_beta * ln(1 + floor(pos / q_scale_floor)); exactly 1 below q_scale_floor
+    q_scale_beta: float = 0.0
+    q_scale_floor: int = 0
 
 
 @dataclass
@@ -153,7 +157,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     head_dim = int(m.get(p + "attention.key_length", dim // n_heads))
     rf = dequant(g, "rope_freqs.weight").tolist() if "rope_freqs.weight" in g.tensors else None
     rope_dims = int(m.get(p + "rope.dimension_count", head_dim)) if arch.fused or arch.partial_rope else head_dim
-    theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path, truncate=arch.name != "gpt-oss")
+    theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path, truncate=arch.name != "gpt-oss",
+                                     log_mul=arch.name == "ministral3")
     n_layers = int(m[p + "block_count"])
     if arch.shared_expert:
         extra = {**gguf_glm4moe(m, p, path), "rope_dims": rope_dims if rope_dims != head_dim else 0}
@@ -164,6 +169,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             extra["rope_dims"] = rope_dims if rope_dims != head_dim else 0
     if arch.name == "smollm3":      # llama.cpp's step, which its GGUF does not state
         extra["no_rope"] = nope_layers(n_layers)
+    if arch.name == "ministral3":
+        extra.update(gguf_q_scale(m, p, path))
     if arch.name == "gpt-oss":
         extra.update(gguf_gpt_oss(m, p, int(m[p + "block_count"])))
     if arch.name == "gemma3":
@@ -323,6 +330,8 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         if arch.name == "smollm3":   # no_rope_layers: 1 where a layer rotates
             flags = c.get("no_rope_layers") or nope_layers(c["num_hidden_layers"], c.get("no_rope_layer_interval", 4))
             extra["no_rope"] = tuple(not f for f in flags)
+        if arch.name == "ministral3":
+            extra.update(hf_q_scale(c, path))
     if arch.name != "gpt-oss" and not arch.shared_expert:
         extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))
     if arch.fused and c.get("sliding_window"):

@@ -165,6 +165,11 @@ class Llama:
         self.rope_rows = 0
         self.max_context = max_context
         self.ensure_rope(1)
+        # Ministral 3's query scale per position (f32: native decode reads it); None: all 1
+        self.q_scale = None
+        if c.q_scale_beta:
+            p = torch.arange(max_context, dtype=torch.float64)
+            self.q_scale = (1 + c.q_scale_beta * torch.log1p(torch.floor(p / c.q_scale_floor))).float().to(self.device)
         self.decoder = kernels.decoder(self) if native else None
         self.graphs = GraphDecoder(self) if cuda_graphs and GraphDecoder.takes(self) else None
 
@@ -299,7 +304,7 @@ class Llama:
                 o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, ks:S], vc[li:li + 1, :, ks:S],
                                                    attn_mask=mask, enable_gqa=True, scale=self.scale)
             return o[0].transpose(0, 1).reshape(T, H * D)
-        x = self._blocks(x, ropes, lin, mm, attend)
+        x = self._blocks(x, ropes, lin, mm, attend, self.q_scales(slice(pos, S)))
         return self._head(x, rows, pad_to)
 
     @torch.inference_mode()
@@ -345,12 +350,18 @@ class Llama:
                                                        vc[li:li + 1, :, ks:p + 1], enable_gqa=True, scale=self.scale)
                     out.append(o.reshape(1, H * D))
             return torch.cat(out)                                              # [B, H*D]
-        x = self._blocks(x, ropes, lambda f, h: f(h), dense, attend)
+        x = self._blocks(x, ropes, lambda f, h: f(h), dense, attend, self.q_scales(at))
         return self._head(x, list(range(B)), 0)
 
-    def _blocks(self, x: torch.Tensor, ropes, lin, mm, attend) -> torch.Tensor:
+    def q_scales(self, at) -> torch.Tensor | None:
+        """The query scale of the positions `at` (a slice or an index tensor) as [T, 1, 1] in
+        the compute dtype (transformers rounds it so), or None where it is 1 everywhere."""
+        return None if self.q_scale is None else self.q_scale[at].to(self.dtype).view(-1, 1, 1)
+
+    def _blocks(self, x: torch.Tensor, ropes, lin, mm, attend, qs: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer on the rows x [T, dim]: lin(Linear, h) and mm(h, w) are the linears
-        (exact mode pads them), attend(li, layer, q, k, v) stores K/V and returns [T, H*D]."""
+        (exact mode pads them), attend(li, layer, q, k, v) stores K/V and returns [T, H*D];
+        qs: the rows' query scales (q_scales)."""
         c = self.cfg
         T = x.shape[0]
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
@@ -363,7 +374,8 @@ class Llama:
             if ly.qk_norm is not None:   # RMSNorm over each head of q and k (row-wise: exact mode holds)
                 qk = F.rms_norm(qk, (D,), None, c.norm_eps) * ly.qk_norm
             qk = self._rope(qk, *ropes[ly.rope])                     # q and k at once
-            att = attend(li, ly, qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:])
+            q = qk[:, :H] if qs is None else qk[:, :H] * qs
+            att = attend(li, ly, q, qk[:, H:], qkv[:, (H + KV) * D:])
             o = lin(ly.wo, att)                                      # [T, dim]
             if ly.bo is not None:
                 o = o + ly.bo

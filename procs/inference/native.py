@@ -99,7 +99,8 @@ class ModelW(ctypes.Structure):
                                               "rope_bf16", "pad")] + \
                [("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2),
-                ("layers", ctypes.POINTER(LayerW)), ("norm", ctypes.c_void_p), ("head", Mat)]
+                ("layers", ctypes.POINTER(LayerW)), ("norm", ctypes.c_void_p), ("head", Mat),
+                ("q_scale", ctypes.c_void_p)]
 
 
 class Packed(NamedTuple):
@@ -259,6 +260,8 @@ class Decoder:
         m.layers = layers
         m.norm = f32(model.norm)
         m.head = model.head_mat.mat()
+        # rounded to the compute dtype first, as the torch path multiplies by it
+        m.q_scale = f32(None if model.q_scale is None else model.q_scale.to(model.dtype))
         self.vocab = m.head.n
         self.scratch = torch.empty(0)
 

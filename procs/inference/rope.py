@@ -100,15 +100,17 @@ def longrope_attn(factor: float, orig: int) -> float:
     return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
-def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs,
-              where: str, truncate: bool = True) -> tuple[float, tuple[float, ...], float]:
+def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs, where: str, truncate: bool = True,
+              log_mul: bool = False) -> tuple[float, tuple[float, ...], float]:
     """(theta, divisors or (), attention factor) from GGUF metadata and the optional rope_freqs
     tensor, which llama.cpp's converter writes for Llama 3.1 scaling (the divisors themselves).
     YaRN as the converter writes it from a config: rope.scaling.factor, original_context_length,
     and yarn_beta_fast / yarn_beta_slow / yarn_attn_factor when the config sets them (a config's
     attention_factor replaces the 0.1 ln(factor) + 1 default, as in transformers); the
     converter writes no truncate flag and ggml always rounds the ramp's bounds (truncate: False
-    for gpt-oss, whose config says so and whose reference does not round)."""
+    for gpt-oss, whose config says so and whose reference does not round). log_mul (Ministral
+    3): yarn_log_multiplier is the config's mscale_all_dim (llama.cpp's mistral3 converter
+    writes it so, mscale 1), and the attention factor their ratio, as transformers has it."""
     theta = float(meta.get(prefix + "rope.freq_base", 10000.0))
     dims = int(meta.get(prefix + "rope.dimension_count", head_dim))
     if dims != head_dim:
@@ -125,7 +127,8 @@ def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs,
         factors = [f * scale for f in factors]
     elif kind == "yarn":
         key = prefix + "rope.scaling."
-        if float(meta.get(key + "yarn_ext_factor", 1.0)) != 1.0 or float(meta.get(key + "yarn_log_multiplier", 0.0)):
+        mul = float(meta.get(key + "yarn_log_multiplier", 0.0))
+        if float(meta.get(key + "yarn_ext_factor", 1.0)) != 1.0 or (mul and not log_mul):
             raise ModelLoadError(f"{where}: YaRN with an extrapolation factor or log multiplier is not supported")
         if key + "original_context_length" not in meta:
             raise ModelLoadError(f"{where}: YaRN scaling without rope.scaling.original_context_length")
@@ -134,6 +137,8 @@ def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs,
                             truncate)
         factors = [f * y for f, y in zip(factors, yarn)]
         attn = float(meta.get(key + "yarn_attn_factor", yarn_mscale(scale)))
+        if mul:
+            attn = yarn_mscale(scale) / yarn_mscale(scale, mul)
     elif kind != "none":
         raise ModelLoadError(f"{where}: unsupported RoPE scaling {kind!r} (none, linear, yarn, rope_freqs)")
     return theta, (() if all(f == 1.0 for f in factors) else tuple(factors)), attn

@@ -1,5 +1,6 @@
 """A thinking model's `<think>...</think>` (Qwen3, QwQ, DeepSeek-R1 and their distills, SmolLM3,
-GLM-4.5; Seed-OSS's `<seed:think>...</seed:think>`):
+GLM-4.5; Seed-OSS's `<seed:think>...</seed:think>`; Magistral's and Ministral 3 Reasoning's
+`[THINK]...[/THINK]`, control tokens of their tekken vocabulary):
 the thinking at the start of an answer comes back as reasoning, the rest as the answer, as
 llama.cpp's default reasoning format (deepseek) and vLLM's reasoning parsers return them.
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from procs.renderer.harmony import held
 
 OPEN, CLOSE = "<think>", "</think>"
-TAGS = ((OPEN, CLOSE), ("<seed:think>", "</seed:think>"))
+TAGS = ((OPEN, CLOSE), ("<seed:think>", "</seed:think>"), ("[THINK]", "[/THINK]"))
 
 
 def detect(template: str | None) -> tuple[str, str] | None:

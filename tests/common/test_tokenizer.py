@@ -208,6 +208,58 @@ def test_gpt4o_pre_tokenizer_splits_as_tiktoken(tmp_path):
     assert pattern.findall("HelloWorld") == ["Hello", "World"]   # what tells it from llama3's
 
 
+def _tekken_gguf(path: str):
+    """Mistral's tekken.json (mistral-common's copy: Nemo, Small 3, Devstral) in a GGUF as
+    llama.cpp's converter writes one: gguf's MistralVocab for the pieces, types and merges,
+    tokenizer.ggml.pre "tekken", no add_bos_token key. Returns mistral-common's encoder."""
+    import pathlib
+    import shutil
+    import gguf
+    from gguf.vocab import MistralVocab
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+    src = pathlib.Path(__import__("mistral_common").__file__).parent / "data" / "tekken_240911.json"
+    d = pathlib.Path(path).parent / "tekken"
+    d.mkdir()
+    shutil.copy(src, d / "tekken.json")
+    v = MistralVocab(d)
+    toks, types = zip(*((t, int(ty)) for t, _, ty in v.all_tokens()))
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("tekken")
+    w.add_token_list(list(toks))
+    w.add_token_types(list(types))
+    w.add_token_merges(v.extract_vocab_merges_from_model())
+    w.add_bos_token_id(v.bos_id)
+    w.add_eos_token_id(v.eos_id)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return Tekkenizer.from_file(str(d / "tekken.json"))
+
+
+def test_tekken_ids_equal_mistral_common(tmp_path):
+    """A tekken GGUF (tokenizer.ggml.pre "tekken") encodes as Mistral's own Tekkenizer:
+    camel case apart, digits one by one, no contractions, bytes of any script; control
+    tokens in the text ([INST], [TOOL_CALLS]) are single ids; BOS by default, as llama.cpp."""
+    import random
+    ref = _tekken_gguf(str(tmp_path / "tekken.gguf"))
+    tm = load_text(str(tmp_path / "tekken.gguf"))
+    texts = ["HelloWorld's IT'S CamelCASEWord x 1234567 a/b//\n\nc", "ünïcödé ÜBER straße 42.5%",
+             "def f(x):\n    return x  # ok\r\n\t\tdone  ", "日本語のテキスト, 中文!", "'s 's'S  \n \n",
+             "emoji 🤖🎉 and ZWJ 👩\u200d💻", "  leading", "class Foo(Bar):\n    self.x = {'a': [1, 2]}\n"]
+    rng = random.Random(5)
+    alpha = "abcXYZ éÜß日本 \n\t0123456789.,;:!?'\"/\\-_()[]{}<>@#$%^&*+=~`|🤖"
+    texts += ["".join(rng.choice(alpha) for _ in range(rng.randint(1, 60))) for _ in range(200)]
+    for text in texts:
+        assert tm.encode(text) == ref.encode(text, bos=False, eos=False), text
+        assert b"".join(tm.pieces[i] for i in tm.encode(text)) == text.encode()
+    assert tm.encode("HelloWorld") == ref.encode("HelloWorld", bos=False, eos=False)
+    assert len(tm.encode("2025")) == 4                     # what tells it from o200k's split
+    inst = tm.encode("[INST]hi[/INST]")
+    assert inst[0] == ref.get_special_token("[INST]") and inst[-1] == ref.get_special_token("[/INST]")
+    assert tm.add_bos and tm.bos_id == ref.bos_id and ref.eos_id in tm.stop_ids
+
+
 def test_piece_bytes_of_a_tuple_is_remembered_and_bounded(text_model):
     """The resident sessions' ids (tuples) are asked for their bytes at every plan: the same
     tuple gives the same bytes object back; a list, or another tuple of the same ids, is

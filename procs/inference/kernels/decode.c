@@ -31,6 +31,7 @@ typedef struct {
     const LayerW *layers;
     const float *norm;
     Mat head;                     /* [V, dim] */
+    const float *q_scale;         /* [ctx]: q times q_scale[pos] after RoPE (Ministral 3); NULL: 1 */
 } ModelW;
 
 static void rms_norm(const float *x, const float *w, float eps, int n, float *out) {
@@ -131,6 +132,8 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
                 for (int i = 0; i < KV; i++) rms_norm(k + i * D, L->k_norm, m->eps, D, k + i * D);
             }
             rope(q, H + KV, D, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, pos[b]);
+            if (m->q_scale)
+                for (int i = 0; i < H * D; i++) q[i] *= m->q_scale[pos[b]];
             const long base = l * layer_stride[b], hs = head_stride[b];
             for (int i = 0; i < KV; i++) {
                 store_rows(kc[b], m->kv_bf16, base + i * hs + (long)pos[b] * D, k + i * D, D);

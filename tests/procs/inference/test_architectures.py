@@ -51,6 +51,11 @@ PHI_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_
                 "original_max_position_embeddings": 32,
                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
 
+# Ministral 3's YaRN and query scale (16384 trained positions and factor 16, scaled down): q
+# times 1 + 0.1 ln(1 + floor(pos / 16)), so the prompt and the greedy tokens cross 6 steps of it
+MINISTRAL3 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+
 # gpt-oss's YaRN (factor 32 over 4096 positions, scaled down): truncate false ends the ramp
 # at dim 1.41, not 2
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -104,6 +109,8 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
                                        tie_word_embeddings=False), "seed_oss"),
     # SmolLM3: layer 3 of 4 without RoPE
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, rope_theta=1e6, tie_word_embeddings=True), "smollm3"),
+    # Ministral 3 / Devstral Small 2: Llama with YaRN and the query scale
+    "ministral3": ("Ministral3Config", dict(rope_parameters=MINISTRAL3, tie_word_embeddings=False), "mistral3"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -202,6 +209,9 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None
                          ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
             if rp.get(key) is not None:
                 add(rp[key])
+    if arch == "mistral3":   # the converter's Ministral3Model
+        w.add_rope_scaling_yarn_log_mul(rp["mscale_all_dim"])
+        w.add_attn_temperature_scale(rp["llama_4_scaling_beta"])
     state = m.state_dict()
     if arch == "gpt-oss":   # as the converter's GptOssModel: gate and up apart, [E, rows, cols]
         w.add_expert_count(c.num_local_experts)
@@ -253,7 +263,7 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None
         a = t.numpy().astype(np.float32)
         if gemma and hf_name.endswith("norm.weight"):   # the converter folds Gemma's (1 + w)
             a = a + 1
-        if arch in ("llama", "smollm3") and ("q_proj" in hf_name or "k_proj" in hf_name):   # LlamaModel's permute
+        if arch in ("llama", "smollm3", "mistral3") and ("q_proj" in hf_name or "k_proj" in hf_name):   # LlamaModel's permute
             a = _permute(a, c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads)
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         # weights only: llama.cpp's quantizer keeps biases (gpt-oss's experts' are 2-D) in F32
@@ -358,7 +368,7 @@ def test_parity_with_transformers(case, kernels):
     assert model.fingerprint == gmodel.fingerprint   # one model, whichever file it came from
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3", "gpt_oss", "glm4moe", "glm4"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3", "gpt_oss", "glm4moe", "glm4", "ministral3"])
 def test_exact_mode_holds_with_biases_and_qk_norms(build, name):
     """Exact mode's promise (bit-identical prefill rows however a prompt is split between a
     restored prefix and the prefill) holds with the row-wise ops these architectures add."""
@@ -386,6 +396,32 @@ def test_llama3_scaling_matters(build):
     a, b = (KVSession(x, MAX_POS, 64).prefill(ids.tolist(), logits_at=[PROMPT])[PROMPT]
             for x in (plain, scaled))
     assert (a - b).abs().max().item() > 0.05
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_ministral3_query_scale_matters_past_its_floor_only(build, kernels):
+    """Without its query scale Ministral 3 gives other logits past the 16 trained positions
+    and the same ones before them (the scale is exactly 1 there), prefill and decode alike;
+    llama.cpp's GGUF keys read to the config's values."""
+    name, _, hf_dir, gguf_path = build("ministral3")
+    w = load(gguf_path, torch.float32, "cpu")
+    assert (w.config.q_scale_beta, w.config.q_scale_floor) == (pytest.approx(0.1), 16)
+    assert w.config.rope_attn_factor == 1.0           # mscale == mscale_all_dim
+    kern = native.load() if kernels == "native" else None
+    off = dataclasses.replace(w, config=dataclasses.replace(w.config, q_scale_beta=0.0, q_scale_floor=0))
+    ids = _prompt(name)
+    runs = []
+    for weights in (load(hf_dir, torch.float32, "cpu"), off):
+        model = Llama(weights, MAX_POS, kernels=kern)
+        assert (model.decoder is not None) == (kernels == "native")
+        s = KVSession(model, MAX_POS, 64)
+        got = s.prefill(ids[:12], logits_at=[12])[12]
+        for t in ids[12:PROMPT]:                      # decoded one by one, across the floor
+            s.decode(t)
+        runs.append((got, s.logits.clone()))
+    (early, late), (early_off, late_off) = runs
+    assert torch.equal(early, early_off)
+    assert (late - late_off).abs().max().item() > 0.05
 
 
 @pytest.mark.parametrize("change", [dict(windows=()), dict(rope_theta_local=0.0), dict(attn_scale=0.1),
@@ -448,8 +484,8 @@ def test_fingerprint_names_architecture_and_rope_scaling(build):
     assert fp == w.fingerprint
     others = {fingerprint(dataclasses.replace(w.config, **kw), norms) for kw in (
         dict(arch="qwen2"), dict(arch="qwen3"), dict(rope_factors=(1.0,) * 7 + (8.0,)),
-        dict(rope_factors=(2.0,) * 8), dict(rope_theta=20000.0))}
-    assert fp not in others and len(others) == 5
+        dict(rope_factors=(2.0,) * 8), dict(rope_theta=20000.0), dict(q_scale_beta=0.1, q_scale_floor=16))}
+    assert fp not in others and len(others) == 6
     # what stays out: quantization and context; eps is hashed at GGUF's f32 precision
     assert fingerprint(dataclasses.replace(w.config, quant_bits=4, max_context=64), norms) == fp
     assert fingerprint(dataclasses.replace(w.config, norm_eps=float(np.float32(1e-6))), norms) == fp
@@ -539,7 +575,8 @@ def test_checkpoint_round_trip(case, tmp_path, text_model):
         h.close()
 
 
-@pytest.mark.parametrize("a,b", [("llama", "llama3"), ("llama", "qwen2"), ("qwen2", "yarn"), ("llama", "mistral")])
+@pytest.mark.parametrize("a,b", [("llama", "llama3"), ("llama", "qwen2"), ("qwen2", "yarn"), ("llama", "mistral"),
+                                 ("yarn", "ministral3")])
 def test_checkpoint_of_another_architecture_is_refused(build, tmp_path, text_model, a, b):
     """A sound file of one architecture or rope scaling never restores into another (same
     K/V geometry: only the fingerprint tells them apart)."""

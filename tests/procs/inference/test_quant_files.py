@@ -59,10 +59,10 @@ def models():
     return {name: _hf_model(name) for name in CASES if name not in SAME_AS_LLAMA}
 
 
-# architectures whose weights load as another's do (Llama's tensors, a bias or a rotary table
-# more): their parity test in test_architectures.py covers them, every file type here would
-# repeat llama's
-SAME_AS_LLAMA = {"seed_oss", "smollm3"}
+# architectures whose weights load as another's do (Llama's tensors, a bias, a rotary table or
+# a query scale more): their parity test in test_architectures.py covers them, every file type
+# here would repeat llama's
+SAME_AS_LLAMA = {"seed_oss", "smollm3", "ministral3"}
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])

@@ -49,12 +49,13 @@ def test_opened_and_detect():
 
 
 @pytest.mark.parametrize("step", [1, 5, 1000])
-def test_seed_tags(step):
-    """Seed-OSS's `<seed:think>` block: read from the template, split as `<think>`'s, where a
-    bare `<think>` is text."""
-    tags = thinking.detect("{{ '<seed:think>' + m.reasoning_content + '</seed:think>' }}")
-    assert tags == ("<seed:think>", "</seed:think>")
-    text = "<seed:think>Plan <think>x</think>.</seed:think>\n\nDone."
+@pytest.mark.parametrize("tags", [("<seed:think>", "</seed:think>"), ("[THINK]", "[/THINK]")])
+def test_other_tags(step, tags):
+    """Seed-OSS's `<seed:think>` and Magistral's `[THINK]` blocks: read from the template,
+    split as `<think>`'s, where a bare `<think>` is text."""
+    o, c = tags
+    assert thinking.detect("{{ '%s' + m.reasoning_content + '%s' }}" % tags) == tags
+    text = f"{o}Plan <think>x</think>.{c}\n\nDone."
     t = thinking.Think(False, tags)
     r, c = "", ""
     for i in range(0, len(text), step):
@@ -62,4 +63,4 @@ def test_seed_tags(step):
         r, c = r + a, c + b
     a, b = t.flush()
     assert (r + a, c + b) == ("Plan <think>x</think>.", "Done.")
-    assert thinking.opened("<seed:think>", tags) and not thinking.opened("<think>", tags)
+    assert thinking.opened(o, tags) and not thinking.opened("<think>", tags)
