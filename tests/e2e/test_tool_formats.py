@@ -1,7 +1,7 @@
 """Model families' own tool formats end to end: the real processes and default model, the
 official `openai` client, a chat template given with --chat-template-file in the family's
-format (Qwen/Hermes `<tool_call>`, Llama 3.1's bare JSON, Mistral's `[TOOL_CALLS][...]`,
-Qwen3-Coder's XML bodies, GLM-4.5's `<arg_key>`/`<arg_value>` pairs; written for the tests,
+format (Qwen/Hermes `<tool_call>`, Llama 3.1's bare JSON, Mistral's `[TOOL_CALLS][...]` and
+its later `[TOOL_CALLS]NAME[ARGS]{...}` (Small 3.2, Devstral, Ministral 3), Qwen3-Coder's XML bodies, GLM-4.5's `<arg_key>`/`<arg_value>` pairs; written for the tests,
 tests/data/templates).
 
 Per family: a forced call comes back as a parsed call in the family's syntax (Mistral: ids
@@ -39,7 +39,7 @@ MESSAGES = [{"role": "system", "content": "You answer by calling a tool."},
 SLACK = 2     # an end-of-turn token the template renders differently from the one sampled
 
 
-@pytest.fixture(scope="module", params=["hermes", "llama3", "mistral", "qwen_xml", "glm"])
+@pytest.fixture(scope="module", params=["hermes", "llama3", "mistral", "mistral_args", "qwen_xml", "glm"])
 def family(request):
     env = {"RICORDO_CHAT_TEMPLATE_FILE": str(TEMPLATES / f"{request.param}.jinja"), "RICORDO_CTX_SIZE": "2048"}
     if request.param == "glm":
@@ -56,7 +56,7 @@ def _check_call(name: str, call, args: str) -> None:
     a = json.loads(args)
     if call.function.name == "get_weather":
         assert set(a) == {"city", "unit"} and a["unit"] in ("C", "F")
-    if name == "mistral":
+    if name.startswith("mistral"):
         assert len(call.id) == 9 and call.id.isalnum(), call.id
     else:
         assert call.id.startswith("call_")
@@ -75,17 +75,20 @@ def test_forced_call_and_next_turn_from_the_live_session(family):
     head = '{"name": "' + call.function.name + '", '
     xml = "<function=" + call.function.name + ">\n"
     assert written.startswith({"hermes": head, "llama3": head, "mistral": head, "qwen_xml": xml,
-                               "glm": call.function.name + "\n"}[name]), written
+                               "glm": call.function.name + "\n",
+                               "mistral_args": call.function.name + "[ARGS]{"}[name]), written
     args = json.loads(call.function.arguments)
     if name == "qwen_xml":     # each value as written: a string without quotes
         assert all(f"<parameter={k}>\n{v}\n</parameter>\n" in written for k, v in args.items()), written
     elif name == "glm":
         assert all(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" in written for k, v in args.items()), written
+    elif name == "mistral_args":     # the arguments as written: the JSON the call carries
+        assert written.split("[ARGS]", 1)[1].startswith(call.function.arguments), written
     else:
         assert {"hermes": '"arguments": ', "llama3": '"parameters": ', "mistral": '"arguments": '}[name] in written
     for end in ("<|im_end|>", "<|endoftext|>"):                 # the stop token the grammar ends on
         written = written.removesuffix(end)
-    assert written.endswith({"hermes": "}\n</tool_call>", "llama3": "}}", "mistral": "}]",
+    assert written.endswith({"hermes": "}\n</tool_call>", "llama3": "}}", "mistral": "}]", "mistral_args": "}",
                              "qwen_xml": "</function>\n</tool_call>", "glm": "</arg_value>\n</tool_call>"}[name]), written
     turn2 = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
@@ -124,7 +127,7 @@ def test_calls_sent_back_as_json_render_through_the_family_template(family):
     """A call id this server never gave (another server's, or edited history): the template
     renders the call from its JSON, and the turn is answered."""
     name, client = family
-    cid = "abcDEF123" if name == "mistral" else "call_from_elsewhere"
+    cid = "abcDEF123" if name.startswith("mistral") else "call_from_elsewhere"
     msgs = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": cid, "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": cid, "content": "12:00"}]

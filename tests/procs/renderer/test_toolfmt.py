@@ -63,6 +63,7 @@ def test_the_format_is_read_from_the_template(text_model):
     assert toolfmt.detect(template("mistral")) is toolfmt.MISTRAL
     assert toolfmt.detect(template("mistral").replace("[TOOL_CALLS][", "[TOOL_CALLS] [")) is toolfmt.MISTRAL_SPACED
     assert toolfmt.detect("{{ tools }}[TOOL_CALLS]{{ name }}[ARGS]{{ args }}") is toolfmt.MISTRAL_ARGS
+    assert toolfmt.detect(template("mistral_args")) is toolfmt.MISTRAL_ARGS
     # templates without tool syntax: the default model's and the built-in Gemma one
     assert toolfmt.detect(text_model.chat_template) is toolfmt.GENERIC
     assert toolfmt.detect(GEMMA) is toolfmt.GENERIC
