@@ -281,6 +281,20 @@ def _opt_id(m: dict, name: str) -> int | None:
     return None if v is None else int(v)
 
 
+def _template_file(path: str) -> str | None:
+    """The chat template a dir keeps beside tokenizer_config.json, as transformers saves it
+    now (chat_template.jinja, which it prefers) or a multimodal processor did
+    (chat_template.json)."""
+    jinja, js = os.path.join(path, "chat_template.jinja"), os.path.join(path, "chat_template.json")
+    if os.path.exists(jinja):
+        with open(jinja) as f:
+            return f.read()
+    if os.path.exists(js):
+        with open(js) as f:
+            return json.load(f).get("chat_template")
+    return None
+
+
 def from_hf_dir(path: str) -> TextModel:
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     cfg = {}
@@ -306,6 +320,7 @@ def from_hf_dir(path: str) -> TextModel:
     template = cfg.get("chat_template")
     if isinstance(template, list):
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    template = _template_file(path) or template
     ends = ()
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.exists(gen_path):       # GLM, Llama 3: more than one id ends an answer

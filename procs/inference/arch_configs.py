@@ -12,6 +12,21 @@ from procs.inference.rope import ModelLoadError, hf_rope, longrope_attn
 GPT_OSS_SWA_PATTERN = 2         # layer i slides when i % 2 == 0 (transformers' layer_types default)
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_LOCAL_THETA = 10000.0
+# transformers' class defaults for the keys a released config.json leaves out (Gemma 3
+# 4B/12B/27B's text_config names only what differs from Gemma3TextConfig's)
+HF_DEFAULTS = {"gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                   max_position_embeddings=131072, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+                                   sliding_window=4096)}
+
+
+def hf_text_config(c: dict) -> dict:
+    """The language model's config: a multimodal checkpoint's text_config (Gemma 3 4B and up,
+    Mistral Small 3.1 and later, Ministral 3), or c itself, with transformers' defaults for
+    the keys it leaves out."""
+    if isinstance(c.get("text_config"), dict):
+        c = c["text_config"]
+    return {**HF_DEFAULTS.get(c.get("model_type"), {}), **c}
 
 
 def hf_phi3(c: dict, head_dim: int, where: str) -> dict:

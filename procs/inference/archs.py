@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from procs.inference.arch_configs import (GEMMA3_LOCAL_THETA, GEMMA3_SWA_PATTERN,  # noqa: F401
                                           GPT_OSS_SWA_PATTERN, gemma3_layers, gguf_gemma3, gguf_glm4moe,
                                           gguf_gpt_oss, gguf_moe, gguf_q_scale, hf_gemma3, hf_glm4moe, hf_gpt_oss,
-                                          hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, nope_layers)
+                                          hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, hf_text_config, nope_layers)
 from procs.inference.rope import (ModelLoadError, gguf_rope, hf_rope, llama3_factors,  # noqa: F401
                                   longrope_attn, yarn_factors, yarn_mscale)
 

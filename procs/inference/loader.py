@@ -26,7 +26,7 @@ from procs.inference.rows import ROTATED, rotary_perm, rotary_rows, split_fused,
 from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe,
                                    gguf_gpt_oss, gguf_moe, gguf_q_scale, gguf_rope, gguf_variant, hf_gemma3,
                                    hf_glm4moe, hf_gpt_oss, hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, hf_rope,
-                                   hf_variant, layer_names, nope_layers, tensor_name, unused_math)
+                                   hf_text_config, hf_variant, layer_names, nope_layers, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
@@ -301,6 +301,8 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
 def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
+    multimodal = isinstance(c.get("text_config"), dict)
+    c = hf_text_config(c)
     arch = hf_variant(arch_of(str(c.get("model_type")), path), c)
     if c.get("use_sliding_window"):
         raise ModelLoadError(f"{path}: sliding-window attention is not supported")
@@ -310,6 +312,31 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     st = {}
     for fp in files:
         st.update(_read_safetensors(fp))
+    if multimodal:
+        st = _text_tensors(st)
+    try:
+        return _hf_weights(path, c, arch, st, dtype, device)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: config.json has no {e}") from None
+
+
+# a multimodal checkpoint's language-model tensors (the 4.x layout, then transformers 5's)
+# and the names a text model gives them; the vision tower and projector are not read
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+
+
+def _text_tensors(st: dict) -> dict:
+    out = {}
+    for name, t in st.items():
+        for pre, new in _TEXT_PREFIXES:
+            if name.startswith(pre):
+                out[new + name[len(pre):]] = t
+                break
+    return out
+
+
+def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: str) -> LoadedWeights:
     n_heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
     if arch.name == "gemma3":

@@ -324,3 +324,17 @@ def test_hf_dir_generation_config_ends_answers(tmp_path, model_path):
     assert load_text(str(tmp_path)).stop_ids == {3}
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [3, 2]}')
     assert load_text(str(tmp_path)).stop_ids == {2, 3}
+
+
+def test_hf_dir_chat_template_beside_the_tokenizer_config(tmp_path):
+    """The chat template where transformers saves it now (chat_template.jinja, which wins over
+    tokenizer_config.json's) or where a multimodal processor kept it (chat_template.json)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0, "<|end|>": 1}, merges=[]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|end|>", "chat_template": "config"}')
+    assert load_text(str(tmp_path)).chat_template == "config"
+    (tmp_path / "chat_template.json").write_text('{"chat_template": "processor"}')
+    assert load_text(str(tmp_path)).chat_template == "processor"
+    (tmp_path / "chat_template.jinja").write_text("jinja")
+    assert load_text(str(tmp_path)).chat_template == "jinja"

@@ -514,6 +514,57 @@ def test_unsupported_layouts_are_load_errors(build, tmp_path):
             load(str(d), torch.float32, "cpu")
 
 
+def _multimodal(name: str, m, d) -> str:
+    """A multimodal checkpoint (transformers' ConditionalGeneration class, a tiny vision tower)
+    whose language model is m's weights, saved under d; its config.json's text_config keeps
+    only the keys that differ from the text config class's defaults, as Gemma 3 4B's does."""
+    vision = (transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, image_size=32, patch_size=16)
+              if name == "gemma3" else
+              transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=32, patch_size=16, head_dim=16))
+    cls = transformers.Gemma3ForConditionalGeneration if name == "gemma3" else transformers.Mistral3ForConditionalGeneration
+    cfg = (transformers.Gemma3Config(text_config=m.config, vision_config=vision, mm_tokens_per_image=4)
+           if name == "gemma3" else transformers.Mistral3Config(text_config=m.config, vision_config=vision,
+                                                                image_token_index=VOCAB - 1,
+                                                                tie_word_embeddings=m.config.tie_word_embeddings))
+    mm = cls(cfg).eval()
+    with torch.no_grad():
+        mm.model.language_model.load_state_dict(m.model.state_dict())
+        mm.lm_head.weight.copy_(m.lm_head.weight)
+    mm.save_pretrained(d)
+    c = json.loads((d / "config.json").read_text())
+    defaults = type(m.config)().to_dict()
+    c["text_config"] = {k: v for k, v in c["text_config"].items() if k == "model_type" or v != defaults.get(k)}
+    (d / "config.json").write_text(json.dumps(c))
+    return str(d)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "ministral3"])
+def test_multimodal_checkpoint_loads_its_language_model(build, tmp_path, name):
+    """Gemma 3 4B+, Mistral Small 3.1+ and Ministral 3 come as image-text checkpoints: their
+    language model loads (text_config, with transformers' defaults for what it leaves out;
+    tensors under language_model.), to the text model's config, fingerprint and logits."""
+    _, m, hf_dir, _ = build(name)
+    mm_dir = _multimodal(name, m, tmp_path / "mm")
+    c = json.loads(open(f"{mm_dir}/config.json").read())
+    assert "rms_norm_eps" not in c["text_config"] or name != "gemma3"       # left to the default
+    text, mm = load(hf_dir, torch.float32, "cpu"), load(mm_dir, torch.float32, "cpu")
+    assert mm.config == text.config and mm.fingerprint == text.fingerprint
+    ids = _prompt(name)
+    a, b = (KVSession(Llama(w, MAX_POS), MAX_POS, 64).prefill(ids, logits_at=[PROMPT])[PROMPT]
+            for w in (load(hf_dir, torch.float32, "cpu"), mm))
+    assert torch.equal(a, b)
+    assert (a - _reference(m, ids)[0][-1]).abs().max().item() < LOGIT_TOL
+
+
+def test_gemma3_defaults_are_transformers(build):
+    """The defaults a Gemma 3 text_config leaves out are Gemma3TextConfig's."""
+    from procs.inference.arch_configs import HF_DEFAULTS
+    d = transformers.Gemma3TextConfig().to_dict()
+    assert HF_DEFAULTS["gemma3_text"] == {k: d[k] for k in HF_DEFAULTS["gemma3_text"]}
+
+
 def test_longrope_takes_the_short_factors_in_a_trained_length_context(build):
     """A context within the trained 32 positions takes the short factors, as transformers
     does for a sequence that short; the two choices are different models to the cache
