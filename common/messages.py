@@ -244,6 +244,7 @@ class JobDone(msgspec.Struct, tag="job_done", frozen=True):
     keep_from: int = 0                  # the shortest prefix > 0 it can be cut to (0: any; KVSession.keep_from)
     session: int = 0                    # the job's session (0: none is resident any more)
     resident: tuple[int, ...] = ()      # every resident session after this job, least recently used first
+    answer_from: int = 0                # as LiveSession.answer_from
 
 
 class JobError(msgspec.Struct, tag="job_error", frozen=True):
@@ -282,6 +283,9 @@ class LiveSession(msgspec.Struct, frozen=True):
     sid: int
     tokens: tuple[int, ...]
     keep_from: int = 0                  # as JobDone.keep_from
+    # the prompt length of the job whose answer the session ends with (0: unknown); a prompt
+    # that keeps that much continues the same conversation, however short
+    answer_from: int = 0
 
 
 class LiveState(msgspec.Struct, tag="live_state", frozen=True):

@@ -53,6 +53,9 @@ class KVSession:
         self.floors = [0] * c.n_layers   # per layer: the first position it holds rows for
         self.version = next(_VERSIONS)
         self.cuts: list[int] = []        # lengths truncated to, in order, since the version began
+        # the prompt length of the job whose answer the session ends with (0: unknown): the
+        # renderer reuses a session short of --kv-cache-min-tokens when a prompt keeps all of it
+        self.answer_from = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -197,6 +200,8 @@ class KVSession:
             del self.tokens[k:]
             self.logits = None
             self.cuts.append(k)
+        if k < self.answer_from:
+            self.answer_from = 0
 
     def export(self, n: int | None = None):
         """(tokens, K, V) of the first n tokens, copies: K and V are [layers, n, KV, D] for a

@@ -183,6 +183,7 @@ class Runs:
     def prefilled(self, run: Run) -> None:
         sess, job = run.sess, run.job
         run.got[len(sess)] = sess.logits
+        sess.answer_from = len(sess)
         run.t1, run.ready = time.perf_counter(), time.monotonic()
         run.sampler = Sampler(job.sampling, run.ids)
         run.guide = self.guides.start(job.constraint)

@@ -60,7 +60,8 @@ class Dispatch:
         if not busy:
             return self.live
         return {sid: ls if sid not in busy else
-                m.LiveSession(sid=sid, tokens=ls.tokens[:busy[sid]], keep_from=ls.keep_from)
+                m.LiveSession(sid=sid, tokens=ls.tokens[:busy[sid]], keep_from=ls.keep_from,
+                              answer_from=ls.answer_from if ls.answer_from <= busy[sid] else 0)
                 for sid, ls in self.live.items()}
 
     def no_calls(self, sampling: m.SamplingParams) -> m.SamplingParams:

@@ -48,7 +48,7 @@ def best_session(text: TextModel, n_ctx: int, sessions: dict[int, m.LiveSession]
     cut to (one restored from a windowed checkpoint lacks the rows below it)."""
     best = (0, full, 0)
     for sid, ls in reversed(sessions.items()):          # most recent first
-        ids, reuse = plan_reuse(text, prompt, full, ls.tokens, min_tokens)
+        ids, reuse = plan_reuse(text, prompt, full, ls.tokens, min_tokens, ls.answer_from)
         if len(ids) >= n_ctx or 0 < reuse < ls.keep_from:   # the live-text split can tokenize longer
             continue
         if reuse > best[2] or (reuse and reuse == best[2] and sid == hint):

@@ -212,11 +212,14 @@ class TextStream:
 
 
 def plan_reuse(text: TextModel, prompt: bytes, full: list[int], live: list[int],
-               min_tokens: int) -> tuple[list[int], int]:
+               min_tokens: int, answer_from: int = 0) -> tuple[list[int], int]:
     """(effective prompt ids, live tokens to keep), in the pipeline's order of preference:
     live ids a prefix of the prompt's; live text a byte prefix of the prompt (the suffix is
     tokenized alone, live ids stay authoritative); longest common token prefix >= min, or
-    the whole prompt when the live session extends it."""
+    the whole prompt when the live session extends it. answer_from (LiveSession's): a prefix
+    that keeps the whole prompt of the session's last answer is that conversation's next
+    turn, kept whatever its length (a template that renders another end of turn than the
+    one sampled parts from the session a token or two before its end); 0: unknown."""
     if not live:
         return full, 0
     n = len(live)
@@ -231,10 +234,11 @@ def plan_reuse(text: TextModel, prompt: bytes, full: list[int], live: list[int],
     # template renders otherwise), while the tokens the model sampled part earlier from how
     # the prompt's text tokenizes
     j = _text_prefix_tokens(text, live, live_text, prompt)
-    if j > k and j >= min_tokens:
+    least = min(min_tokens, answer_from or min_tokens)
+    if j > k and j >= least:
         return list(live[:j]) + text.encode(prompt[len(text.piece_bytes(live[:j])):]), j
     # the whole prompt inside the live session (a repeated request) is always worth keeping
-    return full, (k if k >= min_tokens or k == len(full) else 0)
+    return full, (k if k >= least or k == len(full) else 0)
 
 
 def _text_prefix_tokens(text: TextModel, live, live_text: bytes, prompt: bytes) -> int:

@@ -42,11 +42,6 @@ SLACK = 2     # an end-of-turn token the template renders differently from the o
 @pytest.fixture(scope="module", params=["hermes", "llama3", "mistral", "mistral_args", "qwen_xml", "glm"])
 def family(request):
     env = {"RICORDO_CHAT_TEMPLATE_FILE": str(TEMPLATES / f"{request.param}.jinja"), "RICORDO_CTX_SIZE": "2048"}
-    if request.param == "glm":
-        # GLM renders <|observation|> after a call where this model samples <|im_end|>: the
-        # ~300-token session is reused up to that token, which a reuse short of the whole
-        # session does only from --kv-cache-min-tokens on
-        env["RICORDO_KV_CACHE_MIN_TOKENS"] = "256"
     with Server(env=env) as srv:
         yield request.param, srv.client()
 
@@ -134,3 +129,26 @@ def test_calls_sent_back_as_json_render_through_the_family_template(family):
     r = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
     assert r.usage.prompt_tokens > 0
+
+
+def test_a_real_vocabularys_call_and_next_turn_from_the_live_session():
+    """Qwen2.5-Coder-0.5B with its own template: `<tool_call>` and `</tool_call>` are single
+    special tokens, and after a forced call the model ends with a token its template renders
+    otherwise. The call parses, and the next turn (~300 tokens, under --kv-cache-min-tokens)
+    keeps the whole prompt of the session's answer: it is served from the live session up to
+    the call's end."""
+    with Server(env={"RICORDO_MODEL": "qwen2.5-coder-0.5b", "RICORDO_CTX_SIZE": "2048"}) as srv:
+        client = srv.client()
+        r1 = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                            max_tokens=60, temperature=0, logprobs=True)
+        c = r1.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        [call] = c.message.tool_calls
+        _check_call("hermes", call, call.function.arguments)
+        assert "</tool_call>" in [t.token for t in c.logprobs.content]      # the special token, once
+        turn2 = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+        r2 = client.chat.completions.create(model="m", messages=turn2, tools=TOOLS, max_tokens=4, temperature=0)
+        u1, u2 = r1.usage, r2.usage
+        assert u2.prompt_tokens < 512
+        assert u2.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - SLACK, (u1, u2)

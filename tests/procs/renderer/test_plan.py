@@ -103,3 +103,26 @@ def test_ties_go_to_the_hinted_session_then_the_most_recent(text_model):
     sessions = {4: m.LiveSession(sid=4, tokens=a), 9: m.LiveSession(sid=9, tokens=b)}   # 9 most recent
     assert plan_job(s, text_model, 8192, ix, sessions, 4, CHAT, prompt, full).source == 9
     assert plan_job(s, text_model, 8192, ix, sessions, 4, CHAT, prompt, full, hint=4).source == 4
+
+
+def test_the_next_turn_of_a_short_conversation_keeps_its_session(text_model):
+    """A prompt that keeps the whole prompt of a session's last answer (answer_from) is that
+    conversation's next turn: kept in place however short, where the template renders
+    another end of turn than the one sampled (the session's last token). Another
+    conversation sharing less than that prompt, or a session whose last prompt is unknown,
+    still needs --kv-cache-min-tokens."""
+    import dataclasses
+    s, ix, prompt, full = setup(text_model, n_words=100)
+    s = dataclasses.replace(s, kv_cache_min_tokens=512)
+    ix.update(m.IndexSnapshot(entries=(), version=1))
+    assert len(full) < 512
+
+    def plan(tokens, answer_from):
+        sessions = {1: m.LiveSession(sid=1, tokens=tuple(tokens), answer_from=answer_from)}
+        return plan_job(s, text_model, 8192, ix, sessions, 4, CHAT, prompt, full)
+    pl = plan(full[:150] + [7], 140)              # prompt 140, the answer 10 tokens, its end other
+    assert (pl.session, pl.reuse, pl.cached) == (1, 150, 150)
+    pl = plan(full[:150] + [7] * 40, 140)         # an answer the client cut: a copy of its prefix
+    assert (pl.session, pl.source, pl.reuse) == (0, 1, 150)
+    assert plan(full[:150] + [7], 0).reuse == 0                # last prompt unknown
+    assert plan(full[:30] + [7] * 20, 45).reuse == 0           # another conversation's session
