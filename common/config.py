@@ -51,6 +51,10 @@ class Settings:
                                 "model file and dtype (default ~/.cache/ricordo/packed; off: none)",
                                 ("generate", "inference"))
     chunk_size: int = opt(512, "prefill chunk size; chunks end at absolute multiples of it", ("generate", "inference"))
+    draft_lookup: int = opt(8, "prompt lookup decoding: a request decoding alone checks, in one step, up to this many "
+                            "tokens that followed its last 3 tokens earlier in the conversation, and keeps those the "
+                            "model writes: the same answer, fewer steps where it copies (0 = off; not with CUDA "
+                            "graphs)", ("inference",))
     deterministic: bool = opt(False, "answers independent of what was cached: every prefill runs as whole "
                               "chunks and an answer's rows are prefilled again after it is sent (slower short prefills)",
                               ("generate", "inference"))

@@ -62,6 +62,9 @@ class Metrics:
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
         self.busy = Counter("ricordo_inference_busy_seconds", "seconds the inference loop spent prefilling "
                             "chunks and running decode steps", ["phase"])
+        self.drafted = Counter("ricordo_draft_tokens", "tokens drafted by prompt lookup (--draft-lookup) and "
+                               "checked in a decode step")
+        self.draft_kept = Counter("ricordo_draft_tokens_kept", "drafted tokens that were what the model wrote")
         self.shared_rows = Counter("ricordo_decode_shared_rows",
                                    "K/V rows a batched decode step read once for two sequences or more "
                                    "(each sharing sequence's rows counted once a step)")

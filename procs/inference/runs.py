@@ -28,6 +28,7 @@ from common import messages as m
 from common import metrics
 from common.policy import continued_frontiers
 from procs.inference.kvsession import KVSession, decode_many, prefill_many
+from procs.inference.lookup import Lookup
 from procs.inference.plan import prompt_saves
 from procs.inference.sampling import Sampler, sample_many
 
@@ -71,6 +72,13 @@ class Run:
     budget: int = 0
     n: int = 0                                       # tokens generated
     logits: torch.Tensor | None = None               # next-token logits; set: decoding
+    # prompt lookup (--draft-lookup): a token sent but not yet in the session (the one sampled
+    # where a draft was not kept: the next round runs it), the drafting index, counts
+    pending: int | None = None
+    lookup: Lookup | None = None
+    draft_len: int = 0                               # the next draft's most (0: --draft-lookup)
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def rid(self) -> str:
@@ -209,32 +217,51 @@ class Runs:
             if self.disk.save(run.sess, f, logits_at.get(f), kvfile.CONTINUED):
                 self.frontiers[run.sid] = f
 
+    def emit(self, run: Run, tok: int, lp: float, top, settle=None) -> bool:
+        """Send a sampled token; True when it ends the run (which is then ended). settle():
+        puts the session where the token's logits came from, before an ending runs it."""
+        job = run.job
+        if run.guide:
+            run.guide.advance(tok)
+        run.n += 1
+        finish = "stop" if tok in run.stop_ids else ("length" if run.n >= run.budget else "")
+        stamps = (run.begun, run.placed, run.ready, time.monotonic()) if run.n == 1 else ()
+        self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish, stamps=stamps))
+        if run.n == 1:
+            self.save_prompt(run)
+        if not finish:
+            return False
+        if settle is not None:
+            settle()
+        # the last token is not run (unless asked): the next turn's prompt starts with it,
+        # and its prefill takes it for almost nothing
+        if job.run_last and len(run.sess) < self.n_ctx:
+            run.sess.decode(tok)
+        self.end(run, finish)
+        return True
+
     def decode_round(self, runs: list[Run]) -> list[Run]:
         """Sample one token for each decoding run and send it; the runs that go on advance in
-        one batched step. Returns the runs of that step (a failure there is theirs)."""
+        one batched step, or a run decoding alone checks a draft (speculate). Returns the runs
+        of that step (a failure there is theirs)."""
         going, tokens = [], []
-        picks = sample_many([r.sampler for r in runs], [r.logits for r in runs],
-                            [r.guide.mask(r.logits) if r.guide else None for r in runs])
-        for run, (tok, lp, top) in zip(runs, picks):
-            job = run.job
-            if run.guide:
-                run.guide.advance(tok)
-            run.n += 1
-            finish = "stop" if tok in run.stop_ids else ("length" if run.n >= run.budget else "")
-            stamps = (run.begun, run.placed, run.ready, time.monotonic()) if run.n == 1 else ()
-            self.send(m.Token(rid=job.rid, id=tok, logprob=lp, top=tuple(top), finish=finish, stamps=stamps))
-            if run.n == 1:
-                self.save_prompt(run)
-            if finish:
-                # the last token is not run (unless asked): the next turn's prompt starts
-                # with it, and its prefill takes it for almost nothing
-                if job.run_last and len(run.sess) < self.n_ctx:
-                    run.sess.decode(tok)
-                self.end(run, finish)
-                continue
+        fresh = [r for r in runs if r.pending is None]
+        picks = dict(zip(map(id, fresh), sample_many([r.sampler for r in fresh], [r.logits for r in fresh],
+                                                     [r.guide.mask(r.logits) if r.guide else None for r in fresh])))
+        for run in runs:
+            if run.pending is not None:          # sent when its draft was checked
+                tok, run.pending = run.pending, None
+            else:
+                tok, lp, top = picks[id(run)]
+                if self.emit(run, tok, lp, top):
+                    continue
             going.append(run)
             tokens.append(tok)
         if not going:
+            return going
+        # (not with CUDA graphs: one graph replay per token is cheaper than an eager step)
+        if len(going) == 1 and self.s.draft_lookup > 0 and going[0].guide is None and self.model.graphs is None \
+                and self.speculate(going[0], tokens[0]):
             return going
         metrics.M.batch_size.observe(len(going))
         shared = self.sharing.rows
@@ -246,6 +273,51 @@ class Runs:
             if self.disk.enabled and not sess.exact:   # exact: decode rows are redone at the end
                 self.save_frontiers(run, len(sess) - 1, len(sess), {len(sess): logits})
         return going
+
+    def speculate(self, run: Run, tok: int) -> bool:
+        """Prompt lookup: tok and the tokens that followed the conversation's last ids where
+        they occurred before run in one batched step over consecutive positions of the one
+        session (Llama.decode_batch: with the native decoder each row is bit for bit the row
+        a lone decode computes, so greedy answers do not change). Each row's token is sampled
+        as a decode step would sample it and sent; drafts are kept while they equal it. False:
+        no draft (decode as usual)."""
+        sess = run.sess
+        if run.lookup is None:
+            run.lookup = Lookup(sess.tokens)
+        run.lookup.push(tok)
+        room = min(run.draft_len or self.s.draft_lookup, run.budget - run.n, self.n_ctx - len(sess) - 1)
+        draft = run.lookup.draft(room)
+        if not draft:
+            return False
+        base, seq = len(sess), [tok] + draft
+        sess.reserve(base + len(seq))
+        rows = self.threads.step(lambda: sess.model.decode_batch(
+            seq, list(range(base, base + len(seq))), [(sess.k, sess.v)] * len(seq), exact=sess.exact), len(seq))
+        sess.tokens.extend(seq)
+        run.drafted += len(draft)
+        kept = run.accepted
+        metrics.M.batch_size.observe(1)
+        for i, logits in enumerate(rows):
+            def settle(k=base + 1 + i, row=logits):
+                sess.truncate(k)
+                sess.logits = row
+            t, lp, top = run.sampler(logits, None)
+            if self.emit(run, t, lp, top, settle):
+                return True
+            if i < len(draft) and t == draft[i]:
+                run.accepted += 1
+                run.lookup.push(t)
+                continue
+            settle()
+            run.logits, run.pending = logits, t         # runs in the next round
+            break
+        # each row costs attention over the context and its share of the step: a draft the
+        # model keeps whole doubles the next one's most, else the next is one past what it kept
+        kept = run.accepted - kept
+        run.draft_len = min(self.s.draft_lookup, 2 * len(draft)) if kept == len(draft) else kept + 1
+        if self.disk.enabled and not sess.exact:
+            self.save_frontiers(run, base, len(sess), {base + 1 + j: rows[j] for j in range(len(sess) - base)})
+        return True
 
     def redo_answer(self, run: Run, n_prompt: int, prompt_logits, end: int) -> None:
         """Exact mode: the rows decode appended (int4 kernels) are not what a prefill
@@ -271,6 +343,9 @@ class Runs:
         job, sess = run.job, run.sess
         t1 = run.t1 or time.perf_counter()
         keep = self.keep.pop(job.rid, -1)
+        if run.pending is not None and len(sess) < self.n_ctx:   # sent: the session holds it, as any
+            sess.decode(run.pending)
+        run.pending = None
         if sess.exact and len(sess) > len(run.ids) and len(run.ids) in run.got:
             self.redo_answer(run, len(run.ids), run.got[len(run.ids)], keep if 0 < keep < len(sess) else len(sess))
         elif 0 < keep < len(sess):   # tokens the answer does not keep (after a tool call)
@@ -286,9 +361,13 @@ class Runs:
         self.send(self.done(job.rid, reason, run))
         source = "disk" if job.restore and run.r else ("live" if run.r else "cold")
         todo, n = len(run.ids) - run.r, run.n
-        self.log.info("job %s: %s, cached %d, suffix %d prefilled in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s, %s",
+        self.log.info("job %s: %s, cached %d, suffix %d prefilled in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s%s, %s",
                       job.rid, source, run.r, todo, t1 - run.t0, todo / max(t1 - run.t0, 1e-9), n,
-                      n / max(t2 - t1, 1e-9), reason)
+                      n / max(t2 - t1, 1e-9), f" ({run.accepted} of {run.drafted} drafted kept)" if run.drafted else "",
+                      reason)
+        if run.drafted:
+            metrics.M.drafted.inc(run.drafted)
+            metrics.M.draft_kept.inc(run.accepted)
         if todo >= 16:
             metrics.M.prefill_rate.observe(todo / max(t1 - run.t0, 1e-9))
         if n >= 8:
