@@ -284,6 +284,8 @@ class Runs:
         sess = run.sess
         if run.lookup is None:
             run.lookup = Lookup(sess.tokens)
+        for t in sess.tokens[len(run.lookup.ids):]:   # decoded in batched steps since
+            run.lookup.push(t)
         run.lookup.push(tok)
         room = min(run.draft_len or self.s.draft_lookup, run.budget - run.n, self.n_ctx - len(sess) - 1)
         draft = run.lookup.draft(room)
