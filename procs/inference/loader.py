@@ -314,10 +314,13 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         st.update(_read_safetensors(fp))
     if multimodal:
         st = _text_tensors(st)
-    try:
-        return _hf_weights(path, c, arch, st, dtype, device)
-    except KeyError as e:
-        raise ModelLoadError(f"{path}: config.json has no {e}") from None
+    missing = [k for k in _HF_REQUIRED if k not in c]
+    if missing:
+        raise ModelLoadError(f"{path}: config.json has no {', '.join(missing)}")
+    return _hf_weights(path, c, arch, st, dtype, device)
+
+
+_HF_REQUIRED = ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size", "rms_norm_eps")
 
 
 # a multimodal checkpoint's language-model tensors (the 4.x layout, then transformers 5's)

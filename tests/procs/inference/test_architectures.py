@@ -512,6 +512,9 @@ def test_unsupported_layouts_are_load_errors(build, tmp_path):
         (d / "config.json").write_text(json.dumps({**c, **patch}))
         with pytest.raises(ModelLoadError):
             load(str(d), torch.float32, "cpu")
+    (d / "config.json").write_text(json.dumps({k: v for k, v in c.items() if k != "num_attention_heads"}))
+    with pytest.raises(ModelLoadError, match="config.json has no num_attention_heads"):
+        load(str(d), torch.float32, "cpu")
 
 
 def _multimodal(name: str, m, d) -> str:
