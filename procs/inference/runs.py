@@ -260,7 +260,7 @@ class Runs:
         if not going:
             return going
         # (not with CUDA graphs: one graph replay per token is cheaper than an eager step)
-        if len(going) == 1 and self.s.draft_lookup > 0 and going[0].guide is None and self.model.graphs is None \
+        if len(going) == 1 and self.s.draft_lookup > 0 and self.model.graphs is None \
                 and self.speculate(going[0], tokens[0]):
             return going
         metrics.M.batch_size.observe(len(going))
@@ -303,7 +303,7 @@ class Runs:
             def settle(k=base + 1 + i, row=logits):
                 sess.truncate(k)
                 sess.logits = row
-            t, lp, top = run.sampler(logits, None)
+            t, lp, top = run.sampler(logits, run.guide.mask(logits) if run.guide else None)
             if self.emit(run, t, lp, top, settle):
                 return True
             if i < len(draft) and t == draft[i]:
