@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import re
-import struct
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -21,7 +20,8 @@ import torch
 
 from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
-                                          mxfp4_rows, q4_parts, q8_parts)
+                                          q4_parts, q8_parts)
+from procs.inference.hf_files import gpt_oss_experts, read_safetensors, text_tensors
 from procs.inference.rows import ROTATED, rotary_perm, rotary_rows, split_fused, unpermute
 from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe,
                                    gguf_gpt_oss, gguf_moe, gguf_q_scale, gguf_rope, gguf_variant, hf_gemma3,
@@ -260,44 +260,6 @@ def _gguf_phi3(g: GGUFFile, p: str, head_dim: int, rope_dims: int, where: str) -
             "rope_attn_factor": float(m.get(p + "rope.scaling.attn_factor", 1.0))}
 
 
-def _gpt_oss_experts(st: dict) -> None:
-    """gpt-oss's HF experts in place as stacked [E, rows, cols] linears (GGUF's layout, the
-    names of Arch.hf_names): gate_up_proj [E, dim, 2*ffn] (gate and up interleaved by
-    column) and down_proj [E, ffn, dim] transposed, or their MXFP4 *_blocks / *_scales
-    (the released checkpoints: rows already out-major) dequantized."""
-    for key in [k for k in st if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_blocks"))]:
-        p = key[:key.index("mlp.experts.") + len("mlp.experts.")]
-        if key.endswith("_blocks"):
-            gu = mxfp4_rows(st.pop(key), st.pop(p + "gate_up_proj_scales"))                   # [E, 2F, dim]
-            st[p + "down_proj"] = mxfp4_rows(st.pop(p + "down_proj_blocks"), st.pop(p + "down_proj_scales"))
-        else:
-            gu = st.pop(key).transpose(1, 2)
-            st[p + "down_proj"] = st[p + "down_proj"].transpose(1, 2)
-        st[p + "gate_proj"], st[p + "up_proj"] = gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous()
-        st[p + "down_proj"] = st[p + "down_proj"].contiguous()
-        b = st.pop(p + "gate_up_proj_bias")                                                   # [E, 2F]
-        st[p + "gate_proj_bias"], st[p + "up_proj_bias"] = b[:, 0::2].contiguous(), b[:, 1::2].contiguous()
-
-
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
-    out = {}
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        base = 8 + n
-        data = np.memmap(path, dtype=np.uint8, mode="r")
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            if meta["dtype"] not in dt:
-                raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
-            a, b = meta["data_offsets"]
-            buf = torch.from_numpy(np.array(data[base + a:base + b]))
-            out[name] = buf.view(dt[meta["dtype"]]).reshape(meta["shape"])
-    return out
-
-
 def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
@@ -311,9 +273,9 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         raise ModelLoadError(f"{path}: no *.safetensors files")
     st = {}
     for fp in files:
-        st.update(_read_safetensors(fp))
+        st.update(read_safetensors(fp))
     if multimodal:
-        st = _text_tensors(st)
+        st = text_tensors(st)
     missing = [k for k in _HF_REQUIRED if k not in c]
     if missing:
         raise ModelLoadError(f"{path}: config.json has no {', '.join(missing)}")
@@ -321,22 +283,6 @@ def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
 
 
 _HF_REQUIRED = ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size", "rms_norm_eps")
-
-
-# a multimodal checkpoint's language-model tensors (the 4.x layout, then transformers 5's)
-# and the names a text model gives them; the vision tower and projector are not read
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                  ("model.language_model.", "model."), ("lm_head.", "lm_head."))
-
-
-def _text_tensors(st: dict) -> dict:
-    out = {}
-    for name, t in st.items():
-        for pre, new in _TEXT_PREFIXES:
-            if name.startswith(pre):
-                out[new + name[len(pre):]] = t
-                break
-    return out
 
 
 def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: str) -> LoadedWeights:
@@ -350,7 +296,7 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
         extra = hf_phi3(c, head_dim, path)
     if arch.name == "gpt-oss":
         extra = hf_gpt_oss(c, head_dim, path)
-        _gpt_oss_experts(st)
+        gpt_oss_experts(st)
     elif arch.shared_expert:
         extra = hf_glm4moe(c, head_dim, path)
     elif arch.partial_rope:         # GLM-4

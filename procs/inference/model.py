@@ -15,7 +15,6 @@ its logits are bit-identical.
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import NamedTuple
 
 import torch
@@ -27,7 +26,7 @@ from procs.inference.moe import MoE, swiglu_oai
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
 from procs.inference.native import QUANTIZED
 from procs.inference.packcache import PackCache
-from procs.inference.rope import rotary
+from procs.inference.rope import q_scale, rotary, specs
 from procs.inference.torch_attention import causal_mask as _mask, decode_attention as _decode_attention, sink_attention
 
 
@@ -142,34 +141,21 @@ class Llama:
         self.act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),
                     "swiglu_oai": None}[c.act]      # gpt-oss's is its experts' (moe.swiglu_oai)
         self.scale = c.attn_scale or c.head_dim ** -0.5
-        # rotary tables in the compute dtype: [ctx, D] (HF half-split layout); a second table
-        # for windowed layers with their own base (Gemma 3), unscaled. Allocated whole (the
-        # native decoder keeps their addresses) but filled in blocks of ROPE_BLOCK positions as
-        # positions are reached (ensure_rope): untouched rows cost no memory and no start-up
-        # time (a 128k context's two tables: ~270 MB and a second). A block is always computed
-        # alone, so a position's values never depend on how far the tables were filled.
-        # LongRoPE: the long factors for a context above the trained one, as llama.cpp picks
-        # them (once, by the context); checkpoints of the two are not interchangeable
-        factors = c.rope_factors
-        if c.rope_factors_long and max_context > c.rope_long_from:
-            factors = c.rope_factors_long
+        # rotary tables in the compute dtype, [ctx, D] each (rope.specs says which): allocated
+        # whole (the native decoder keeps their addresses) but filled in blocks of ROPE_BLOCK
+        # positions as positions are reached (ensure_rope): untouched rows cost no memory and no
+        # start-up time (a 128k context's two tables: ~270 MB and a second). A block is always
+        # computed alone, so a position's values never depend on how far the tables were filled.
+        self.rope_specs, long = specs(c, max_context)
+        if long:    # LongRoPE's long factors: checkpoints of the two are not interchangeable
             self.fingerprint = hashlib.blake2b(w.fingerprint + b"rope_factors_long", digest_size=16).digest()
-        self.rope_specs = [(c.rope_theta, factors, c.rope_attn_factor)]
-        if c.rope_theta_local:
-            self.rope_specs.append((c.rope_theta_local, (), 1.0))
-        elif c.no_rope:     # NoPE layers (SmolLM3): every frequency divided to 0, cos 1 and sin 0
-            self.rope_specs.append((c.rope_theta, (math.inf,) * ((c.rope_dims or c.head_dim) // 2), 1.0))
         self.rope = [(torch.empty(max_context, c.head_dim, dtype=self.dtype, device=self.device),
                       torch.empty(max_context, c.head_dim, dtype=self.dtype, device=self.device))
                      for _ in self.rope_specs]
         self.rope_rows = 0
         self.max_context = max_context
         self.ensure_rope(1)
-        # Ministral 3's query scale per position (f32: native decode reads it); None: all 1
-        self.q_scale = None
-        if c.q_scale_beta:
-            p = torch.arange(max_context, dtype=torch.float64)
-            self.q_scale = (1 + c.q_scale_beta * torch.log1p(torch.floor(p / c.q_scale_floor))).float().to(self.device)
+        self.q_scale = q_scale(c, max_context, self.device)   # f32: native decode reads it
         self.decoder = kernels.decoder(self) if native else None
         self.graphs = GraphDecoder(self) if cuda_graphs and GraphDecoder.takes(self) else None
 

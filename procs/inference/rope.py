@@ -164,3 +164,28 @@ def rotary(c, theta: float, factors, start: int, n: int, attn_factor: float, dty
     # YaRN's attention factor scales both tables, as transformers does: q.k gains its square
     return (torch.cat([cos, cos], dim=-1).to(device, dtype),
             torch.cat([-sin, sin], dim=-1).to(device, dtype))
+
+
+def specs(c, max_context: int) -> tuple[list[tuple[float, tuple, float]], bool]:
+    """(the rotary tables a model of ModelConfig c needs, as (theta, divisors, attention
+    factor) each; whether LongRoPE's long factors were taken). The first table is the global
+    layers'; a second one is for windowed layers with their own base (Gemma 3, unscaled) or
+    for layers without RoPE (SmolLM3: every frequency divided to 0, cos 1 and sin 0).
+    LongRoPE takes its long factors for a context above the trained one, as llama.cpp picks
+    them (once, by the context)."""
+    long = bool(c.rope_factors_long) and max_context > c.rope_long_from
+    out = [(c.rope_theta, c.rope_factors_long if long else c.rope_factors, c.rope_attn_factor)]
+    if c.rope_theta_local:
+        out.append((c.rope_theta_local, (), 1.0))
+    elif c.no_rope:
+        out.append((c.rope_theta, (math.inf,) * ((c.rope_dims or c.head_dim) // 2), 1.0))
+    return out, long
+
+
+def q_scale(c, max_context: int, device):
+    """Ministral 3's query scale per position, f32 [max_context]: 1 + beta ln(1 + floor(pos /
+    floor)) (transformers' get_llama_4_attn_scale); None where the model has none (all 1)."""
+    if not c.q_scale_beta:
+        return None
+    p = torch.arange(max_context, dtype=torch.float64)
+    return (1 + c.q_scale_beta * torch.log1p(torch.floor(p / c.q_scale_floor))).float().to(device)

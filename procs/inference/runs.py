@@ -28,7 +28,7 @@ from common import messages as m
 from common import metrics
 from common.policy import continued_frontiers
 from procs.inference.kvsession import KVSession, decode_many, prefill_many
-from procs.inference.lookup import Lookup
+from procs.inference.lookup import Drafts, speculate
 from procs.inference.plan import prompt_saves
 from procs.inference.sampling import Sampler, sample_many
 
@@ -72,13 +72,10 @@ class Run:
     budget: int = 0
     n: int = 0                                       # tokens generated
     logits: torch.Tensor | None = None               # next-token logits; set: decoding
-    # prompt lookup (--draft-lookup): a token sent but not yet in the session (the one sampled
-    # where a draft was not kept: the next round runs it), the drafting index, counts
+    # prompt lookup (--draft-lookup, procs/inference/lookup.py): its state, and a token sent
+    # but not yet in the session (sampled where a draft was not kept: the next round runs it)
+    drafts: Drafts | None = None
     pending: int | None = None
-    lookup: Lookup | None = None
-    draft_len: int = 0                               # the next draft's most (0: --draft-lookup)
-    drafted: int = 0
-    accepted: int = 0
 
     @property
     def rid(self) -> str:
@@ -242,7 +239,7 @@ class Runs:
 
     def decode_round(self, runs: list[Run]) -> list[Run]:
         """Sample one token for each decoding run and send it; the runs that go on advance in
-        one batched step, or a run decoding alone checks a draft (speculate). Returns the runs
+        one batched step, or a run decoding alone checks a draft (lookup.speculate). Returns the runs
         of that step (a failure there is theirs)."""
         going, tokens = [], []
         fresh = [r for r in runs if r.pending is None]
@@ -260,9 +257,11 @@ class Runs:
         if not going:
             return going
         # (not with CUDA graphs: one graph replay per token is cheaper than an eager step)
-        if len(going) == 1 and self.s.draft_lookup > 0 and self.model.graphs is None \
-                and self.speculate(going[0], tokens[0]):
-            return going
+        if len(going) == 1 and self.s.draft_lookup > 0 and self.model.graphs is None:
+            run = going[0]
+            run.drafts = run.drafts or Drafts(self.s.draft_lookup)
+            if speculate(self, run, tokens[0]):
+                return going
         metrics.M.batch_size.observe(len(going))
         shared = self.sharing.rows
         rows = self.threads.step(lambda: decode_many([r.sess for r in going], tokens, self.sharing), len(going))
@@ -273,53 +272,6 @@ class Runs:
             if self.disk.enabled and not sess.exact:   # exact: decode rows are redone at the end
                 self.save_frontiers(run, len(sess) - 1, len(sess), {len(sess): logits})
         return going
-
-    def speculate(self, run: Run, tok: int) -> bool:
-        """Prompt lookup: tok and the tokens that followed the conversation's last ids where
-        they occurred before run in one batched step over consecutive positions of the one
-        session (Llama.decode_batch: with the native decoder each row is bit for bit the row
-        a lone decode computes, so greedy answers do not change). Each row's token is sampled
-        as a decode step would sample it and sent; drafts are kept while they equal it. False:
-        no draft (decode as usual)."""
-        sess = run.sess
-        if run.lookup is None:
-            run.lookup = Lookup(sess.tokens)
-        for t in sess.tokens[len(run.lookup.ids):]:   # decoded in batched steps since
-            run.lookup.push(t)
-        run.lookup.push(tok)
-        room = min(run.draft_len or self.s.draft_lookup, run.budget - run.n, self.n_ctx - len(sess) - 1)
-        draft = run.lookup.draft(room)
-        if not draft:
-            return False
-        base, seq = len(sess), [tok] + draft
-        sess.reserve(base + len(seq))
-        rows = self.threads.step(lambda: sess.model.decode_batch(
-            seq, list(range(base, base + len(seq))), [(sess.k, sess.v)] * len(seq), exact=sess.exact), len(seq))
-        sess.tokens.extend(seq)
-        run.drafted += len(draft)
-        kept = run.accepted
-        metrics.M.batch_size.observe(1)
-        for i, logits in enumerate(rows):
-            def settle(k=base + 1 + i, row=logits):
-                sess.truncate(k)
-                sess.logits = row
-            t, lp, top = run.sampler(logits, run.guide.mask(logits) if run.guide else None)
-            if self.emit(run, t, lp, top, settle):
-                return True
-            if i < len(draft) and t == draft[i]:
-                run.accepted += 1
-                run.lookup.push(t)
-                continue
-            settle()
-            run.logits, run.pending = logits, t         # runs in the next round
-            break
-        # each row costs attention over the context and its share of the step: a draft the
-        # model keeps whole doubles the next one's most, else the next is one past what it kept
-        kept = run.accepted - kept
-        run.draft_len = min(self.s.draft_lookup, 2 * len(draft)) if kept == len(draft) else kept + 1
-        if self.disk.enabled and not sess.exact:
-            self.save_frontiers(run, base, len(sess), {base + 1 + j: rows[j] for j in range(len(sess) - base)})
-        return True
 
     def redo_answer(self, run: Run, n_prompt: int, prompt_logits, end: int) -> None:
         """Exact mode: the rows decode appended (int4 kernels) are not what a prefill
@@ -362,14 +314,14 @@ class Runs:
         self.make_room(0, {run.sid}, False, job.unsaved)   # the session grew: others may leave
         self.send(self.done(job.rid, reason, run))
         source = "disk" if job.restore and run.r else ("live" if run.r else "cold")
-        todo, n = len(run.ids) - run.r, run.n
+        todo, n, d = len(run.ids) - run.r, run.n, run.drafts
         self.log.info("job %s: %s, cached %d, suffix %d prefilled in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s%s, %s",
                       job.rid, source, run.r, todo, t1 - run.t0, todo / max(t1 - run.t0, 1e-9), n,
-                      n / max(t2 - t1, 1e-9), f" ({run.accepted} of {run.drafted} drafted kept)" if run.drafted else "",
+                      n / max(t2 - t1, 1e-9), f" ({d.kept} of {d.drafted} drafted kept)" if d and d.drafted else "",
                       reason)
-        if run.drafted:
-            metrics.M.drafted.inc(run.drafted)
-            metrics.M.draft_kept.inc(run.accepted)
+        if d and d.drafted:
+            metrics.M.drafted.inc(d.drafted)
+            metrics.M.draft_kept.inc(d.kept)
         if todo >= 16:
             metrics.M.prefill_rate.observe(todo / max(t1 - run.t0, 1e-9))
         if n >= 8:

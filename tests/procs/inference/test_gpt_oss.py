@@ -16,7 +16,8 @@ import torch
 from procs.inference.archs import hf_gpt_oss
 from procs.inference.gguf_tensors import mxfp4_rows
 from procs.inference.kvsession import KVSession
-from procs.inference.loader import _read_safetensors, load
+from procs.inference.hf_files import read_safetensors
+from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.torch_attention import causal_mask, sink_attention
 from tests.procs.inference.test_architectures import (LOGIT_TOL, MAX_POS, PROMPT, _prompt, _write_gguf,  # noqa: F401
@@ -84,7 +85,7 @@ def test_mxfp4_experts_from_either_file(build, tmp_path):
     c = m.config
     m = type(m)(c).eval()
     m.load_state_dict(build(NAME)[1].state_dict())
-    sd = {k: v.clone() for k, v in _read_safetensors(f"{hf_dir}/model.safetensors").items()}
+    sd = {k: v.clone() for k, v in read_safetensors(f"{hf_dir}/model.safetensors").items()}
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}.mlp.experts."
         for name in ("gate_up_proj", "down_proj"):

@@ -19,19 +19,21 @@ def long_ids(vectors):
 
 
 def test_a_draft_is_what_followed_the_last_ids_where_they_occurred_last():
-    lk = Lookup([1, 2, 3, 4, 5, 9, 1, 2, 3, 6, 7, 0, 1, 2])
-    assert lk.draft(4) == []                       # (0, 1, 2) never occurred before
-    lk.push(3)                                     # ... 1 2 3: last seen before 6 7
-    assert lk.draft(4) == [6, 7, 0, 1] and lk.draft(1) == [6]
-    lk.push(6)
-    assert lk.draft(8) == [7, 0, 1, 2, 3, 6]       # up to the tail, never past it
-    assert lk.draft(0) == []
-    short = Lookup([5, 5])
-    assert short.draft(3) == []
-    short.push(5)                                  # (5, 5, 5): the tail itself is no occurrence
-    assert short.draft(3) == []
-    short.push(5)
-    assert short.draft(3) == [5]
+    ids = [1, 2, 3, 4, 5, 9, 1, 2, 3, 6, 7, 0, 1]
+    lk = Lookup()
+    assert lk.draft(ids, 2, 4) == []                         # (0, 1, 2) never occurred before
+    ids.append(2)                                            # ... 1 2 3: last seen before 6 7
+    assert lk.draft(ids, 3, 4) == [6, 7, 0, 1] and lk.draft(ids, 3, 1) == [6]
+    ids.append(3)
+    assert lk.draft(ids, 6, 8) == [7, 0, 1, 2, 3, 6]         # up to the tail, never past it
+    assert lk.draft(ids, 6, 0) == []
+    short, ids = Lookup(), [5]
+    assert short.draft(ids, 5, 3) == []
+    ids.append(5)                                            # (5, 5, 5): the tail itself is no occurrence
+    assert short.draft(ids, 5, 3) == []
+    ids.append(5)
+    assert short.draft(ids, 5, 3) == [5]
+    assert Lookup().draft([1, 2, 3, 1, 2], 3, 2) == [1, 2]   # a fresh index sees the whole list
 
 
 def test_one_step_over_consecutive_positions_equals_lone_decodes(model, long_ids):
