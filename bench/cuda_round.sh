@@ -4,8 +4,8 @@
 #                                     the carried wheels and this repo on their path, the
 #                                     model's first part kept in /tmp/m
 #   BUDGET_S=540 bash bench/cuda_round.sh
-#                                     the model joined, then the CUDA tests, bench_graphs and
-#                                     bench_parallel (back to back, then apart), each step given
+#                                     the model joined, then the CUDA tests, bench_parallel (back
+#                                     to back, then apart) and bench_graphs, each step given
 #                                     what is left of BUDGET_S; logs under $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +47,6 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 step tests 200 .venv/bin/python -m pytest -q -rs tests/procs/inference/test_cuda.py \
     tests/procs/inference/test_sampling.py tests/procs/inference/test_runs.py \
     tests/e2e/test_batch.py tests/e2e/test_sessions.py
-step graphs 120 .venv/bin/python bench/bench_graphs.py
 step parallel 150 .venv/bin/python bench/bench_parallel.py
 step parallel-apart 150 .venv/bin/python bench/bench_parallel.py --tool-ms 300
+step graphs 120 .venv/bin/python bench/bench_graphs.py
