@@ -4,7 +4,7 @@ sequence and four (kvsession.decode_many) at two contexts, medians of 40 steps a
 warm-up steps, and a turn's 16, 128 and 512 new tokens prefilled onto a 4,000-token session
 (with graphs, both ways of attention: the product and the fused kernel, as
 graphs.choose_attention times them at start, which this prints first);
-and four such turns' 32, 128 or 256 tokens in one shared step (kvsession.prefill_many)
+and four such turns' 32, 128, 256 or 512 tokens in one shared step (kvsession.prefill_many)
 against one by one (when each prompt is in, for the median time to first token), medians
 of 12.
 
@@ -79,7 +79,7 @@ for graphs in (True, False):
         turns = [KVSession(model, 8192, 512) for _ in range(4)]
         for i, t in enumerate(turns):
             t.prefill([i + 7] + (ids * 80)[:4095])      # a chunk's start: 512 more stay in it
-        for n in (32, 128, 256):
+        for n in (32, 128, 256, 512):
             chunks = [(ids * 3)[:n]] * 4
             for _ in range(3):         # not captured: the server's idle loop captures it (capture_wanted)
                 if prefill_many(turns, chunks, [()] * 4) is not None:

@@ -177,6 +177,8 @@ class Job(msgspec.Struct, tag="job", frozen=True):
                                         # tokens the new one starts from (copied); 0: none
     unsaved: tuple[int, ...] = ()       # resident sessions whose whole state no checkpoint holds:
                                         # evict-saved if they must leave memory for this job
+    more: bool = False                  # the renderer held another request to generate when it sent
+                                        # this: a job that may share this one's prefill step follows
 
 
 class CancelJob(msgspec.Struct, tag="cancel_job", frozen=True):

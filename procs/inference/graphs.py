@@ -125,6 +125,9 @@ class GraphDecoder:
         los = [len(s) for s in sessions]
         Tb = bucket(max(len(c) for c in chunks), max(s.chunk for s in sessions), MIN_ROWS)
         cap = bucket(max(los) + Tb, m.max_context)
+        if B > 1:       # a captured graph of a larger capacity serves too (its extra keys masked)
+            cap = next((c for c in buckets(m.max_context, MIN_CAP)
+                        if c >= cap and ("prefill", B, Tb, c) in self.graphs), cap)
         if max(los) + Tb > m.max_context or not self.fits_scores(B, Tb, cap):
             return None
         key = ("prefill", B, Tb, cap)
@@ -157,8 +160,10 @@ class GraphDecoder:
         graph captured for every decode batch size up to `batch` and every padded length of
         one prompt's chunk, at every capacity bucket (the smallest first, while they fit in
         MAX_GRAPHS - SPARE_GRAPHS), so that a request's step pays neither a capture (tens of
-        ms) nor a pool's growth (which drops every graph of its kind). Shared prefill steps
-        of several prompts are captured when first needed. The steps write rows into the
+        ms) nor a pool's growth (which drops every graph of its kind); then the shared prefill
+        steps of 2..batch prompts at each padded length, at the largest capacity whose scores
+        fit (prefill_many uses them at any smaller one); other shared steps are captured when
+        first needed, at an idle moment. The steps write rows into the
         slots (finite ones, from real activations); no slot holds a session after it.
         On CUDA, each kind's attention is chosen first (choose_attention). Returns the graphs
         made (with capture=False, the steps run)."""
@@ -197,6 +202,19 @@ class GraphDecoder:
                     if self.model.graphs is self and key[0] == "prefill" and not self.fits_scores(1, T, cap):
                         continue        # (this step was the one whose fused capture failed)
                     return made         # out of memory, or graphs turned off
+                made += 1
+        # shared steps of 2..batch prompts, each at the largest capacity its scores fit: a burst
+        # of turns (agents' sub-agents, conversations decoding in step) shares one step at once
+        for B in range(2, batch + 1):
+            for T in buckets(max(chunk, MIN_ROWS), MIN_ROWS):
+                cap = max((x for x in caps if T <= x and self.fits_scores(B, T, x)), default=0)
+                if not cap or made >= room:
+                    continue
+                key = ("prefill", B, T, cap)
+                if self._blank(key, B, T, cap) is None:
+                    if not self.fits_scores(B, T, cap):
+                        continue        # its fused capture failed; the product's scores outgrow it
+                    return made
                 made += 1
         return made
 

@@ -12,8 +12,8 @@ virtual finish: the loop's clock counts the prompt tokens it has prefilled, and 
 is that clock at its begin plus its tokens to prefill): prompts that arrive together go one
 after the other in arrival order, not chunk by chunk in turn (which would put every one of
 them in at the burst's end); a short prompt passes a long one begun earlier only when it
-would be done first; and the order is fixed at arrival, so no prompt waits for ever. Where the model replays graphs (CUDA), the
-next runs' chunks share the first one's step while they fit one chunk's size together
+would be done first; and the order is fixed at arrival, so no prompt waits for ever. Where
+the model replays graphs (CUDA), the prefilling runs' next chunks share one step instead
 (prefill_step, prefill_together).
 """
 from __future__ import annotations
@@ -108,21 +108,15 @@ class Runs:
         chunk at least. Without graphs, chunks one after the other in that order while they
         fit: a prompt whose new tokens cross a chunk boundary (a turn's ~200 tokens, half the
         time) is in after one step, not two with the others' decode round between them.
-        With graphs, the next runs' chunks join the first's in one shared step while they
-        fit: on a GPU a step of a few short chunks costs about one short chunk (H200: 16
-        tokens 3.2 ms, 128 11 ms, 512 28 ms at 4k of context), while sharing long ones only
-        makes the first prompt wait for the others (4 x 512 in one step: all four in late)."""
+        With graphs, every prefilling run's next chunk goes in one shared step (at most
+        --parallel chunks): a step replayed from a graph is bound by its launches and reads of
+        the weights, not its rows (H200, SmolLM2 at 4k of context: one prompt's 256 tokens
+        17.7 ms, four prompts' 256 each in one step 21.2 ms), so a burst of turns is in at
+        once rather than one after the other (bench/bench_graphs.py prints both)."""
         prefilling.sort(key=lambda r: r.mark)     # stable: ties go in begin order
         first = prefilling[0]
-        if self.model.graphs is not None and len(prefilling) > 1:
-            runs, left = [first], first.sess.chunk - len(self.next_chunk(first))
-            for r in prefilling[1:]:
-                n = len(self.next_chunk(r))
-                if n <= left:
-                    runs.append(r)
-                    left -= n
-            if len(runs) > 1 and self.prefill_together(runs, tick):
-                return
+        if self.model.graphs is not None and len(prefilling) > 1 and self.prefill_together(prefilling, tick):
+            return
         room = first.sess.chunk
         for r in prefilling:
             while r.rid in self.active and r.logits is None:

@@ -38,6 +38,9 @@ from procs.inference.threads import DecodeThreads
 
 MAX_CANCELLED = 10_000      # remembered cancels beyond which those of unknown jobs are forgotten
 BUSY_EVERY_S = 2.0          # Heartbeat: how often a running step is announced
+# the longest a prefill waits for a job announced by Job.more: the renderer renders a prompt
+# in ~1-6 ms; a job that does not come (rejected, or waiting for another) costs this once
+HOLD_S = 0.010
 
 
 class Heartbeat:
@@ -122,6 +125,7 @@ class Worker(Placement, Runs):
         self.jobs: collections.deque[m.Job] = collections.deque()   # received, not begun
         self.active: dict[str, Run] = {}       # rid -> the job in flight (at most s.batch), in begin order
         self.clock = 0                         # prompt tokens prefilled so far (runs.py: the prefill order)
+        self.expect_until = 0.0                # monotonic time until which a job announced by Job.more is awaited
         self.cancelled: set[str] = set()
         self.keep: dict[str, int] = {}   # rid -> live tokens to keep when it is cancelled
         # rid -> (session, its length) of a job that may still hear its keep (a tool call's
@@ -155,6 +159,7 @@ class Worker(Placement, Runs):
             msg = self.dec.decode(self.pull.recv())
             if isinstance(msg, m.Job):
                 self.jobs.append(msg)
+                self.expect_until = time.monotonic() + HOLD_S if msg.more else 0.0
             elif isinstance(msg, m.CancelJob):
                 self.cancelled.add(msg.rid)
                 if len(self.cancelled) > MAX_CANCELLED:   # cancels of jobs this process never saw
@@ -181,7 +186,10 @@ class Worker(Placement, Runs):
     def run(self) -> int:
         tick = 0
         while not self.stop:
-            self.drain(0 if self.active else 0.1)
+            wait = 0.0 if self.active else 0.1
+            if self.holding() and all(r.logits is None for r in self.active.values()):
+                wait = self.expect_until - time.monotonic()     # nothing decodes: until the job comes
+            self.drain(wait)
             with self.beat.step():
                 tick = self.step(tick)
         for run in list(self.active.values()):
@@ -203,7 +211,7 @@ class Worker(Placement, Runs):
         for run in [r for r in self.active.values() if r.rid in self.cancelled]:
             self.guarded(self.end, run, "cancelled")
         prefilling = [r for r in self.active.values() if r.logits is None]
-        if prefilling:
+        if prefilling and not self.holding():
             tick += 1
             t0 = time.perf_counter()
             self.prefill_step(prefilling, tick)
@@ -219,6 +227,11 @@ class Worker(Placement, Runs):
                         self.fail(r, e)
             metrics.M.busy.labels("decode").inc(time.perf_counter() - t0)
         return tick
+
+    def holding(self) -> bool:
+        """Whether the prefill waits for a job the renderer said follows (Job.more), to share
+        its step: with graphs, where a step of several prompts' chunks costs about one's."""
+        return self.model.graphs is not None and time.monotonic() < self.expect_until
 
     def guarded(self, step, run: Run, *args) -> None:
         try:

@@ -43,7 +43,9 @@ class Dispatch:
                 i += 1
                 continue
             del self.queue[i]
-            self.send_job(p, pl)
+            # more: a request read behind this one, or one queued here that may go next
+            self.send_job(p, pl, more=len(self.running) + 1 < self.s.batch
+                          and (i < len(self.queue) or self.more_coming()))
 
     def follows(self, p: Pending, q: Pending, cached: int) -> bool:
         """Whether p should wait for the running q: p's prompt extends q's (q's conversation's
@@ -74,7 +76,7 @@ class Dispatch:
         return msgspec.structs.replace(sampling, logit_bias=tuple(sorted({**dict(sampling.logit_bias),
                                                                            trig[0]: -100.0}.items())))
 
-    def send_job(self, p: Pending, pl) -> None:
+    def send_job(self, p: Pending, pl, more: bool = False) -> None:
         for line in pl.notes:
             self.trace.line(line)
         p.ids, p.miss = pl.ids, pl.miss
@@ -110,4 +112,4 @@ class Dispatch:
                                 restore=r.sha1 if r else "", restore_tokens=r.n_tokens if r else 0,
                                 suffix=pl.suffix, saves=pl.saves, evict=pl.evict,
                                 run_last=p.calls is not None or p.harmony is not None, constraint=p.constraint,
-                                session=pl.session, source=pl.source, unsaved=pl.unsaved))
+                                session=pl.session, source=pl.source, unsaved=pl.unsaved, more=more))

@@ -93,6 +93,7 @@ class Renderer(Readiness, Answers, Dispatch):
         self.enc = m.encoder()
         self.dec_in, self.dec_ev = m.decoder(m.RendererIn), m.decoder(m.EventsIn)
         self.queue: collections.deque[Pending] = collections.deque()
+        self.inbox: collections.deque[tuple] = collections.deque()   # (route, request) read, not handled
         self.running: dict[str, Pending] = {}    # rid -> a request inference has (at most s.batch)
         # the resident sessions, least recently used first; None: not known (ask: LiveQuery)
         self.live: dict[int, m.LiveSession] | None = None
@@ -136,9 +137,10 @@ class Renderer(Readiness, Answers, Dispatch):
             if self.events in ready:
                 self.read_events()
             if self.router in ready:
-                while self.router.poll(0):
-                    route, raw = self.router.recv_multipart()
-                    self.on_request(route, raw)
+                self.read_requests()
+                while self.inbox:
+                    self.on_request(*self.inbox.popleft())
+                    self.read_requests()
                 self.read_events()      # what came while requests were tokenized: before any timeout
             self.housekeeping()
         self.log.info("stopping")
@@ -175,12 +177,21 @@ class Renderer(Readiness, Answers, Dispatch):
         self.dispatch()
 
     # -- web requests --
-    def on_request(self, route: bytes, raw: bytes) -> None:
-        try:
-            msg = self.dec_in.decode(raw)
-        except Exception as e:
-            self.log.warning("undecodable request from web: %s", e)
-            return
+    def read_requests(self) -> None:
+        """Every request waiting at the router into the inbox, decoded, in arrival order."""
+        while self.router.poll(0):
+            route, raw = self.router.recv_multipart()
+            try:
+                self.inbox.append((route, self.dec_in.decode(raw)))
+            except Exception as e:
+                self.log.warning("undecodable request from web: %s", e)
+
+    def more_coming(self) -> bool:
+        """Whether a request to generate has arrived and is not yet handled (Job.more)."""
+        self.read_requests()
+        return any(isinstance(msg, m.GenerateRequest) for _, msg in self.inbox)
+
+    def on_request(self, route: bytes, msg) -> None:
         if isinstance(msg, m.PingRequest):
             lacks = self.lacks()
             i = self.inference

@@ -127,22 +127,25 @@ def test_a_step_prefills_at_most_one_chunks_worth_in_order(model, monkeypatch):
     assert len(e.sess) == 256                       # a whole chunk fills the step
 
 
-def test_a_shared_step_holds_at_most_one_chunks_worth(model):
-    """With graphs, the runs after the first in the prefill order join its step while their
-    chunks fit in one chunk's size (256 here) together; a long one waits its turn."""
+def test_a_shared_step_takes_every_prefilling_runs_next_chunk(model):
+    """With graphs, every prefilling run's next chunk goes in one step, long or short (a
+    chunk is 256 here): a burst of prompts is in together, a long one continues in the next
+    step beside whatever arrived since."""
     loop = Loop()
     loop.model = model
     a = _run(loop, model, "a", _ids(100, 7))
-    b = _run(loop, model, "b", _ids(300, 11))       # its first chunk (256) does not fit beside a
-    c = _run(loop, model, "c", _ids(120, 13))       # fits beside a: 220 tokens in the step
+    b = _run(loop, model, "b", _ids(300, 11))       # its first chunk: 256
+    c = _run(loop, model, "c", _ids(120, 13))
     loop.prefill_step([a, b, c], 1)
-    assert (len(a.sess), len(b.sess), len(c.sess)) == (100, 0, 120)
-    loop.prefill_step([b], 2)
-    assert len(b.sess) == 256
-    d = _run(loop, model, "d", _ids(200, 17))       # b's last 44 tokens and d's 200 fit together
-    loop.prefill_step([b, d], 3)
+    assert (len(a.sess), len(b.sess), len(c.sess)) == (100, 256, 120)
+    assert a.logits is not None and c.logits is not None and b.logits is None
+    d = _run(loop, model, "d", _ids(200, 17))       # b's last 44 tokens and d's 200 together
+    loop.prefill_step([b, d], 2)
     assert (len(b.sess), len(d.sess)) == (300, 200)
-    assert all(r.logits is not None for r in (a, b, c, d))
+    for r in (a, b, c, d):                          # each as its prompt alone gives
+        alone = KVSession(model, 2048, 256)
+        alone.prefill(list(r.ids))
+        assert int(alone.logits.argmax()) == int(r.logits.argmax())
 
 
 def test_a_failed_shared_step_fails_its_runs_only(model, monkeypatch):
@@ -193,12 +196,37 @@ class EagerGraphs(GraphDecoder):
         return graphs_mod._Graph(io, graph, out)
 
 
+def test_warm_captures_shared_steps_that_serve_smaller_capacities(model_path):
+    """warm() captures the shared steps of 2..batch prompts at every padded chunk length, at
+    the largest capacity; a shared step of short sessions (capacity 512) replays that graph
+    (its extra keys masked): no capture on the prompts' path, nothing wanted, and each
+    prompt's logits are its own prefill's."""
+    m_ = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
+    gd = m_.graphs = EagerGraphs(m_)
+    assert gd.warm(2, 256) == gd.captures == 3 * (2 + 5) + 5
+    assert {k for k in gd.graphs if k[1] == 2 and k[0] == "prefill"} == {("prefill", 2, t, 2048)
+                                                                        for t in (16, 32, 64, 128, 256)}
+    loop = Loop()
+    loop.model = m_
+    a, b = _run(loop, m_, "a", _ids(60, 7)), _run(loop, m_, "b", _ids(80, 11))
+    loop.prefill_step([a, b], 1)
+    assert a.logits is not None and b.logits is not None
+    assert gd.captures == 26 and not gd.wanted and list(gd.graphs)[-1] == ("prefill", 2, 128, 2048)
+    m_.graphs = None
+    for r in (a, b):
+        alone = KVSession(m_, 2048, 256)
+        alone.prefill(list(r.ids))
+        assert int(alone.logits.argmax()) == int(r.logits.argmax())
+        assert (alone.logits - r.logits).abs().max().item() <= 1e-3 * alone.logits.abs().max().item()
+
+
 def test_a_shared_step_without_its_graph_waits_for_an_idle_loop(model_path):
-    """A shared step whose graph is not captured yet is not captured on the path of the
+    """A shared step whose graph is not captured yet (warm() had no room for it: here
+    max_graphs leaves room for the one-prompt steps only) is not captured on the path of the
     prompts that wait: they go one by one through the graphs warm() made, and the step is
     wanted; capture_wanted (the idle loop's) makes it, and the next such step is shared."""
     m_ = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
-    gd = m_.graphs = EagerGraphs(m_)
+    gd = m_.graphs = EagerGraphs(m_, max_graphs=graphs_mod.SPARE_GRAPHS + 21)
     assert gd.warm(2, 256) == gd.captures == 3 * (2 + 5)
     loop = Loop()
     loop.model = m_
@@ -214,6 +242,7 @@ def test_a_shared_step_without_its_graph_waits_for_an_idle_loop(model_path):
         assert int(x.logits.argmax()) == int(y.logits.argmax())
         assert (x.logits - y.logits).abs().max().item() <= 1e-3 * x.logits.abs().max().item()
 
+
 def test_warmed_pools_serve_every_step_without_growing(model, monkeypatch):
     """GraphDecoder.warm (the server's start on CUDA): both pools sized for the batch at the
     whole context, every decode batch size and one prompt's every padded chunk length
@@ -223,10 +252,11 @@ def test_warmed_pools_serve_every_step_without_growing(model, monkeypatch):
     gd = GraphDecoder(model, capture=False)
     keys, run = [], gd._run
     monkeypatch.setattr(gd, "_run", lambda key, *a, **k: keys.append(key) or run(key, *a, **k))
-    assert gd.warm(2, 64) == len(keys) == 3 * (2 + 3)
+    assert gd.warm(2, 64) == len(keys) == 3 * (2 + 3) + 3
     caps = (512, 1024, 2048)
     assert set(keys) == ({("decode", b, c) for b in (1, 2) for c in caps}
-                         | {("prefill", 1, t, c) for t in (16, 32, 64) for c in caps})
+                         | {("prefill", 1, t, c) for t in (16, 32, 64) for c in caps}
+                         | {("prefill", 2, t, 2048) for t in (16, 32, 64)})
     for pool in gd.pools.values():
         assert tuple(pool.k.shape[1::2]) == (2, 2048) and pool.held == [None, None]
     storage = {k: p.k.data_ptr() for k, p in gd.pools.items()}
@@ -293,3 +323,48 @@ def test_a_keep_heard_after_its_job_ended_cuts_the_untouched_session(model, monk
     sess = ended("c")
     loop.forget_ended(1)                                      # a job began in it
     assert not loop.ended
+
+
+def test_the_prefill_waits_briefly_for_an_announced_job(monkeypatch):
+    """A job sent with Job.more (the renderer held another request) holds the loop's prefill
+    step for at most server.HOLD_S while the model replays graphs, so the next job shares
+    its step; decode rounds go on meanwhile, the job without `more` ends the hold, and
+    without graphs (the CPU) nothing waits."""
+    import time
+
+    import zmq
+
+    from procs.inference import server as srv
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    steps = []
+    w = types.SimpleNamespace(
+        pull=pull, dec=m.decoder(m.InferenceIn), jobs=collections.deque(), cancelled=set(), active={},
+        expect_until=0.0, model=types.SimpleNamespace(graphs=types.SimpleNamespace(wanted={})),
+        admit=lambda: None, prefill_step=lambda runs, tick: steps.append("prefill"),
+        decode_round=lambda runs: steps.append("decode"))
+    w.holding = lambda: Worker.holding(w)
+    job = lambda rid, more: m.Job(rid=rid, ids=(1, 2, 3), reuse=0, sampling=m.SamplingParams(), more=more)
+    try:
+        push.send(m.encoder().encode(job("a", True)))
+        Worker.drain(w, 1.0)
+        assert w.holding() and 0 < w.expect_until - time.monotonic() <= srv.HOLD_S
+        w.active = {"a": types.SimpleNamespace(rid="a", logits=None), "x": types.SimpleNamespace(rid="x", logits=1)}
+        Worker.step(w, 0)
+        assert steps == ["decode"]                         # x decodes; a's prefill waits
+        push.send(m.encoder().encode(job("b", False)))
+        Worker.drain(w, 1.0)
+        assert not w.holding() and [j.rid for j in w.jobs] == ["a", "b"]
+        Worker.step(w, 0)
+        assert steps == ["decode", "prefill", "decode"]
+        push.send(m.encoder().encode(job("c", True)))
+        Worker.drain(w, 1.0)
+        time.sleep(srv.HOLD_S)                             # the announced job did not come
+        assert not w.holding()
+        w.expect_until, w.model.graphs = time.monotonic() + 1.0, None
+        assert not w.holding()                             # no graphs: no shared step to wait for
+    finally:
+        pull.close(0)
+        push.close(0)

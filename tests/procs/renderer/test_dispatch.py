@@ -45,7 +45,7 @@ def chat(r, rid: str, *turns: str) -> None:
     for i, t in enumerate(turns):
         msgs.append(m.ChatMessage(role="user" if i % 2 == 0 else "assistant", content=t))
     req = m.GenerateRequest(rid=rid, kind="chat", sampling=m.SamplingParams(max_tokens=4), messages=tuple(msgs))
-    r.on_request(b"web-1", r.enc.encode(req))
+    r.on_request(b"web-1", req)
 
 
 def jobs(r) -> list[str]:
@@ -90,7 +90,7 @@ def test_the_next_turn_waits_for_its_running_job_and_then_continues_its_session(
     done(r, "t1", 1)
     other = m.GenerateRequest(rid="other", kind="completion", sampling=m.SamplingParams(max_tokens=2),
                               prompt="A completely unrelated prompt about pottery.")
-    r.on_request(b"web-1", r.enc.encode(other))
+    r.on_request(b"web-1", other)
     assert jobs(r) == ["t1", "other"] and r.out.of("inference", m.Job)[-1].reuse == 0
     chat(r, "t2", "Opening hours?", "Nine to five.", "And on Sunday?")
     # the continuation's plan is session 1 in place; it does not wait for "other", which
@@ -109,7 +109,7 @@ def test_one_at_a_time_with_parallel_one(make):
     chat(r, "a", "Opening hours?")
     req = m.GenerateRequest(rid="x", kind="completion", sampling=m.SamplingParams(max_tokens=2),
                             prompt="A completely unrelated prompt about pottery.")
-    r.on_request(b"web-1", r.enc.encode(req))
+    r.on_request(b"web-1", req)
     assert jobs(r) == ["a"]
     done(r, "a", 1)
     assert jobs(r) == ["a", "x"]
@@ -129,7 +129,7 @@ def test_a_calls_end_heard_after_its_job_ended_is_mirrored_cut(make):
     msgs = (m.ChatMessage(role="user", content="What time is it?"),)
     req = m.GenerateRequest(rid="t1", kind="chat", sampling=m.SamplingParams(max_tokens=40), messages=msgs,
                             tools=tools, tool_choice='"required"')
-    r.on_request(b"web-1", r.enc.encode(req))
+    r.on_request(b"web-1", req)
     [job] = r.out.of("inference", m.Job)
     text = '{"name": "get_time", "parameters": {}}'
     opened = r.running["t1"].calls.block     # the opener the prompt ends with
@@ -147,8 +147,8 @@ def test_a_calls_end_heard_after_its_job_ended_is_mirrored_cut(make):
                       function=m.ToolCallFunction(name="get_time", arguments="{}"))
     turn2 = msgs + (m.ChatMessage(role="assistant", content="", tool_calls=(call,)),
                     m.ChatMessage(role="tool", tool_call_id=call.id, content="12:00"))
-    r.on_request(b"web-1", r.enc.encode(m.GenerateRequest(rid="t2", kind="chat", sampling=m.SamplingParams(max_tokens=4),
-                                                          messages=turn2, tools=tools)))
+    r.on_request(b"web-1", m.GenerateRequest(rid="t2", kind="chat", sampling=m.SamplingParams(max_tokens=4),
+                                             messages=turn2, tools=tools))
     j2 = r.out.of("inference", m.Job)[-1]
     assert j2.rid == "t2" and j2.session == 1 and j2.reuse == len(job.ids) + len(answer)
 
@@ -172,3 +172,36 @@ def test_tool_choice_none_bans_a_one_token_call_opener(text_model):
     got = Dispatch.no_calls(types.SimpleNamespace(text=qwen, call_format=toolfmt.HERMES), own)
     assert got.logit_bias == tuple(sorted({5: 2.0, opener[0]: -100.0}.items()))
     assert Dispatch.no_calls(types.SimpleNamespace(text=text_model, call_format=toolfmt.GENERIC), own) is own
+
+
+def test_a_job_says_when_another_request_is_in_hand(make):
+    """Job.more: a job sent while another request to generate has arrived (read from the
+    router's socket, not yet handled) says so, and inference holds its prefill for it
+    briefly to share one step; the last of a burst, a ping behind it, or no slot left for
+    the next does not."""
+    import zmq
+
+    from common.sockets import RENDERER, address
+    r = make(4)
+    web = zmq.Context.instance().socket(zmq.DEALER)
+    web.connect(address(r.s, RENDERER))
+    try:
+        def arrive(msg) -> None:
+            web.send(r.enc.encode(msg))
+            assert r.router.poll(2000)
+        req = lambda rid: m.GenerateRequest(rid=rid, kind="completion", sampling=m.SamplingParams(max_tokens=2),
+                                            prompt=f"A prompt about {rid}, unrelated to the others.")
+        arrive(req("b"))
+        arrive(m.PingRequest(rid="h"))
+        r.on_request(b"web-1", req("a"))               # b is at the socket: read and counted
+        assert [(j.rid, j.more) for j in r.out.of("inference", m.Job)] == [("a", True)]
+        assert [type(x).__name__ for _, x in r.inbox] == ["GenerateRequest", "PingRequest"]
+        while r.inbox:
+            r.on_request(*r.inbox.popleft())
+        assert [(j.rid, j.more) for j in r.out.of("inference", m.Job)] == [("a", True), ("b", False)]
+    finally:
+        web.close(0)
+    one = make(1)
+    one.inbox.append((b"web-1", req("d")))            # read, but c fills the only slot
+    one.on_request(b"web-1", req("c"))
+    assert [(j.rid, j.more) for j in one.out.of("inference", m.Job)] == [("c", False)]

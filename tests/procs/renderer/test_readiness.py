@@ -58,7 +58,7 @@ def renderer(settings, keep_signals):
 
 def request(r, rid: str, prompt: str = PROMPT) -> None:
     req = m.GenerateRequest(rid=rid, kind="completion", sampling=m.SamplingParams(max_tokens=2), prompt=prompt)
-    r.on_request(b"web-1", r.enc.encode(req))
+    r.on_request(b"web-1", req)
 
 
 def entry_for(r, text: bytes) -> m.IndexEntry:
@@ -67,7 +67,7 @@ def entry_for(r, text: bytes) -> m.IndexEntry:
 
 
 def health(r) -> m.Health:
-    r.on_request(b"web-1", r.enc.encode(m.PingRequest(rid="h")))
+    r.on_request(b"web-1", m.PingRequest(rid="h"))
     return r.out.of("web", m.Health)[-1]
 
 
@@ -150,7 +150,7 @@ def test_held_requests_fail_after_the_bound_and_can_be_cancelled(renderer):
     r = renderer
     request(r, "d")
     request(r, "e")
-    r.on_request(b"web-1", r.enc.encode(m.CancelRequest(rid="e")))
+    r.on_request(b"web-1", m.CancelRequest(rid="e"))
     assert not r.holds("e") and r.holds("d")
     r.keep_ready(r.held[0][2] + readiness.READY_WAIT_S + 1)
     failed = r.out.of("web", m.Failed)
