@@ -187,9 +187,11 @@ class Renderer(Readiness, Answers, Dispatch):
                 self.log.warning("undecodable request from web: %s", e)
 
     def more_coming(self) -> bool:
-        """Whether a request to generate has arrived and is not yet handled (Job.more)."""
+        """Whether a request to generate has arrived and is not yet handled (Job.more); a
+        count of tokens (Anthropic's count_tokens, which Claude Code sends beside its turns)
+        makes no job."""
         self.read_requests()
-        return any(isinstance(msg, m.GenerateRequest) for _, msg in self.inbox)
+        return any(isinstance(msg, m.GenerateRequest) and not msg.count_only for _, msg in self.inbox)
 
     def on_request(self, route: bytes, msg) -> None:
         if isinstance(msg, m.PingRequest):

@@ -179,6 +179,7 @@ def test_a_job_says_when_another_request_is_in_hand(make):
     router's socket, not yet handled) says so, and inference holds its prefill for it
     briefly to share one step; the last of a burst, a ping behind it, or no slot left for
     the next does not."""
+    import msgspec
     import zmq
 
     from common.sockets import RENDERER, address
@@ -196,9 +197,11 @@ def test_a_job_says_when_another_request_is_in_hand(make):
         r.on_request(b"web-1", req("a"))               # b is at the socket: read and counted
         assert [(j.rid, j.more) for j in r.out.of("inference", m.Job)] == [("a", True)]
         assert [type(x).__name__ for _, x in r.inbox] == ["GenerateRequest", "PingRequest"]
+        arrive(msgspec.structs.replace(req("count"), count_only=True))    # makes no job
         while r.inbox:
             r.on_request(*r.inbox.popleft())
         assert [(j.rid, j.more) for j in r.out.of("inference", m.Job)] == [("a", True), ("b", False)]
+        assert r.out.web[-1].finish_reason == "count"
     finally:
         web.close(0)
     one = make(1)
