@@ -58,14 +58,16 @@ def speculate(w, run, tok: int) -> bool:
     what was sampled, and the first token that differs runs in the next round
     (Run.pending). False: no draft (decode as usual)."""
     sess, d = run.sess, run.drafts
+    if w.threads.due:         # the thread count's probe times plain steps of one row
+        return False
     room = min(d.most, run.budget - run.n, w.n_ctx - len(sess) - 1)
     draft = d.index.draft(sess.tokens, tok, room)
     if not draft:
         return False
     base, seq = len(sess), [tok] + draft
     sess.reserve(base + len(seq))
-    rows = w.threads.step(lambda: sess.model.decode_batch(
-        seq, list(range(base, base + len(seq))), [(sess.k, sess.v)] * len(seq), exact=sess.exact), len(seq))
+    rows = w.threads.untimed(lambda: sess.model.decode_batch(
+        seq, list(range(base, base + len(seq))), [(sess.k, sess.v)] * len(seq), exact=sess.exact))
     sess.tokens.extend(seq)
     d.drafted += len(draft)
     metrics.M.batch_size.observe(1)

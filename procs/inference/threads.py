@@ -240,6 +240,26 @@ class DecodeThreads:
         self.next_probe = self.clock + self.period * self.rng.uniform(1 - JITTER, 1 + JITTER)
         self.watch, self.slow = [0.0, 0], 0
 
+    @property
+    def due(self) -> bool:
+        """Whether a probe runs or is due: a step that would not be timed (a drafted step,
+        whose rows vary from step to step: lookup.speculate) gives way to plain ones."""
+        return self.enabled and (self.probe is not None or self.clock >= self.next_probe)
+
+    def untimed(self, fn: Callable[[], T]) -> T:
+        """A step at the current count that no probe or watch compares: its time only
+        moves the clock on to the next probe."""
+        n, full = self.current, self.counts[0]
+        if n != full:
+            torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.clock += time.perf_counter() - t0
+            if n != full:
+                torch.set_num_threads(full)
+
     def step(self, fn: Callable[[], T], shape=None) -> T:
         n = self.pick(shape)
         full = self.counts[0]

@@ -175,6 +175,36 @@ def test_a_batch_that_changes_mid_probe_starts_the_probe_again():
     assert ctl.current == 2 and ctl.switches == 0
 
 
+def test_drafted_steps_give_way_to_probes_and_are_not_timed(monkeypatch):
+    """A decode that drafts (lookup.speculate) runs steps of 2-9 rows, whose times are not
+    comparable: they run untimed at the current count, only moving the clock, and while a
+    probe is due or running the decode takes plain steps (`due`), which the probe times. A
+    busy core still moves decode to one thread, the drafted steps with it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    ctl = controller(2)
+    rng = random.Random(5)
+    plain = drafted = 0
+    seen = set()
+    try:
+        while ctl.clock < 3.0:
+            if ctl.due:
+                n = ctl.pick(1)
+                ctl.machine.run(BUSY(n), n + 1)
+                ctl.record(n, BUSY(n))
+                plain += 1
+            else:
+                rows = rng.randint(2, 9)
+                monkeypatch.setattr(th.time, "perf_counter", iter([0.0, rows * BUSY(ctl.current)]).__next__)
+                seen.add(ctl.untimed(torch.get_num_threads))
+                monkeypatch.undo()
+                drafted += 1
+    finally:
+        torch.set_num_threads(before)
+    assert ctl.current == 1 and ctl.switches == 1 and plain and drafted > plain
+    assert seen == {1, 2} and torch.get_num_threads() == before
+
+
 def test_many_cores_climb_to_the_fastest_count():
     ctl = controller(16)
     drive(ctl, Load({16: 20e-3, 8: 9e-3, 4: 5e-3, 2: 6e-3, 1: 10e-3}, others=10), 60)   # 10 busy cores of 16
