@@ -133,10 +133,11 @@ class Renderer(Readiness, Answers, Dispatch):
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)
         while not self.stop:
-            ready = dict(poller.poll(200))
+            # (requests read while planning a job, Job.more, wait in the inbox: no wait for them)
+            ready = dict(poller.poll(0 if self.inbox else 200))
             if self.events in ready:
                 self.read_events()
-            if self.router in ready:
+            if self.router in ready or self.inbox:
                 self.read_requests()
                 while self.inbox:
                     self.on_request(*self.inbox.popleft())

@@ -208,3 +208,25 @@ def test_a_job_says_when_another_request_is_in_hand(make):
     one.inbox.append((b"web-1", req("d")))            # read, but c fills the only slot
     one.on_request(b"web-1", req("c"))
     assert [(j.rid, j.more) for j in one.out.of("inference", m.Job)] == [("c", False)]
+
+
+def test_a_request_read_while_a_job_was_planned_is_served_without_another_message(make):
+    """Requests read from the router's socket while a job is planned (Job.more, from an
+    event's dispatch too) wait in the inbox; the loop serves them at once, not only when the
+    socket has something new."""
+    import threading
+    import time
+
+    r = make(4)
+    r.inbox.append((b"web-1", m.GenerateRequest(rid="late", kind="completion", prompt="About pottery.",
+                                                sampling=m.SamplingParams(max_tokens=2))))
+    loop = threading.Thread(target=r.run)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not jobs(r) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert jobs(r) == ["late"] and not r.inbox
+    finally:
+        r.stop.stop = True
+        loop.join(5)
