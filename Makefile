@@ -50,7 +50,7 @@ cuda-check: model
 cuda-bundle: model
 	bash bench/cuda_bundle.sh
 
-# Codex CLI and Claude Code in agents/node_modules (npm, not global); tests/e2e/test_real_agents.py runs them
+# Codex CLI, Claude Code and opencode in agents/node_modules (npm, not global); tests/e2e/test_real_agents.py runs them
 agents:
 	cd agents && npm install --no-audit --no-fund --loglevel=error
 

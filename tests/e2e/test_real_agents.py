@@ -1,4 +1,4 @@
-"""Codex CLI and Claude Code themselves (installed by `make agents` into agents/node_modules)
+"""Codex CLI, Claude Code and opencode themselves (installed by `make agents` into agents/node_modules)
 against every process of the Procfile, a real model and a disk cache; skipped, saying why,
 when they are not installed.
 
@@ -22,7 +22,8 @@ tool round trips (each agent's call, its result sent back, replayed from memory)
 Qwen2.5-Coder-0.5B, which calls tools; Claude Code's without its Agent tool
 (`--disallowedTools Agent`), the one setting these tests change (see ROUND_TRIP_S). At 12k
 the default model shows Claude Code's overflow path: Anthropic's error, the one its
-compaction reacts to; at 8k, Codex's: its own context-window message.
+compaction reacts to; at 8k, Codex's: its own context-window message. opencode's tool round
+trip runs on Qwen2.5-Coder too, configured as its documentation says for a local server.
 """
 from __future__ import annotations
 
@@ -232,8 +233,9 @@ def replayed(trace: Path) -> bool:
                for line in trace.read_text().splitlines())
 
 
-def until_round_trip(cmd: list, env: dict, cwd: Path, trace: Path) -> str:
-    """Run an agent until a request replays one of its calls (or it ends); its stdout."""
+def until_round_trip(cmd: list, env: dict, cwd: Path, trace: Path, enough=None) -> str:
+    """Run an agent until a request replays one of its calls (or `enough` says so of its
+    stdout so far, or it ends); its stdout."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_"))}
     full_env.update(env)
     out = cwd.parent / "agent.out"
@@ -243,7 +245,8 @@ def until_round_trip(cmd: list, env: dict, cwd: Path, trace: Path) -> str:
         p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=f,
                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         deadline = time.monotonic() + ROUND_TRIP_S
-        while p.poll() is None and time.monotonic() < deadline and not replayed(trace):
+        while p.poll() is None and time.monotonic() < deadline and \
+                not (enough(out.read_text()) if enough else replayed(trace)):
             time.sleep(1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
@@ -288,3 +291,49 @@ def test_claude_code_tool_call_round_trip(tmp_path):
         assert "tool_use" in kinds and "tool_result" in kinds[kinds.index("tool_use"):], (kinds, out[-3000:])
         assert replayed(tmp_path / "trace.log"), (tmp_path / "trace.log").read_text()[-3000:]
         assert srv.running()
+
+
+def opencode_events(out: str) -> list[dict]:
+    return [e for e in map(json.loads, filter(str.strip, out.splitlines())) if isinstance(e, dict)]
+
+
+def test_opencode_tool_call_round_trip(tmp_path):
+    """opencode (sst/opencode; the AI SDK's OpenAI-compatible provider over
+    /v1/chat/completions, streamed, with its tools), configured as its documentation says for
+    a local server: its first request is cold (~7k tokens), the model calls a tool, opencode
+    runs it and sends the result back, and that request finds the first one's prompt and
+    answer in the server's memory, the call replayed byte for byte; opencode's own usage
+    report (`step_finish` tokens, from the server's cached_tokens) says so."""
+    opencode = need("opencode")
+    work = workdir(tmp_path)
+    home = tmp_path / "ochome"
+    home.mkdir()
+    with serve(tmp_path, 32768, model=TOOL_MODEL) as srv:
+        model = srv.health["model"]
+        (work / "opencode.json").write_text(json.dumps({
+            "$schema": "https://opencode.ai/config.json", "autoupdate": False,
+            "provider": {"ricordo": {"npm": "@ai-sdk/openai-compatible", "name": "ricordo",
+                                     "options": {"baseURL": f"{srv.base_url}/v1"},
+                                     "models": {model: {"name": model, "limit": {"context": 32768, "output": 1024}}}}},
+            "model": f"ricordo/{model}"}))
+        # PWD as a shell sets it: opencode takes its project directory (whose opencode.json
+        # names the model) from it, and with this process's it ran its own default model
+        env = {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".data"),
+               "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".state"), "PWD": str(work)}
+
+        def two_steps(out: str) -> bool:
+            return sum(line.startswith('{"type":"step_finish"') for line in out.splitlines()) >= 2
+        out = until_round_trip([str(opencode), "run", "--format", "json", TOOL_ASK], env, work,
+                               tmp_path / "trace.log", enough=two_steps)
+        events = opencode_events(out)
+        tools = [e["part"] for e in events if e["type"] == "tool_use"]
+        steps = [e["part"]["tokens"] for e in events if e["type"] == "step_finish"]
+        assert tools and tools[0]["state"]["status"] == "completed", out[-3000:]
+        assert len(steps) >= 2, out[-3000:]
+        first, second = steps[:2]
+        assert first["cache"]["read"] == 0 and first["input"] > 5000, steps     # cold
+        total = second["input"] + second["cache"]["read"]
+        assert total > first["total"] and second["cache"]["read"] >= 0.9 * total, steps
+        assert replayed(tmp_path / "trace.log"), (tmp_path / "trace.log").read_text()[-3000:]
+        assert srv.running()
+    print("opencode steps' tokens:", steps[:2])
