@@ -249,19 +249,12 @@ class DecodeThreads:
     def untimed(self, fn: Callable[[], T]) -> T:
         """A step at the current count that no probe or watch compares: its time only
         moves the clock on to the next probe."""
-        n, full = self.current, self.counts[0]
-        if n != full:
-            torch.set_num_threads(n)
-        t0 = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            self.clock += time.perf_counter() - t0
-            if n != full:
-                torch.set_num_threads(full)
+        return self._run(fn, self.current, timed=False)
 
     def step(self, fn: Callable[[], T], shape=None) -> T:
-        n = self.pick(shape)
+        return self._run(fn, self.pick(shape), timed=True)
+
+    def _run(self, fn: Callable[[], T], n: int, timed: bool) -> T:
         full = self.counts[0]
         if n != full:
             torch.set_num_threads(n)
@@ -272,4 +265,7 @@ class DecodeThreads:
             dt = time.perf_counter() - t0
             if n != full:
                 torch.set_num_threads(full)
-            self.record(n, dt)
+            if timed:
+                self.record(n, dt)
+            else:
+                self.clock += dt
