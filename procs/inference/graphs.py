@@ -208,7 +208,9 @@ class GraphDecoder:
         for B in range(2, batch + 1):
             for T in buckets(max(chunk, MIN_ROWS), MIN_ROWS):
                 cap = max((x for x in caps if T <= x and self.fits_scores(B, T, x)), default=0)
-                if not cap or made >= room:
+                if made >= room:
+                    return made
+                if not cap:
                     continue
                 key = ("prefill", B, T, cap)
                 if self._blank(key, B, T, cap) is None:

@@ -15,12 +15,11 @@ its logits are bit-identical.
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from procs.inference.graphs import GraphDecoder
+from procs.inference.layer import Layer
 from procs.inference.loader import LoadedWeights
 from procs.inference.moe import MoE, swiglu_oai
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
@@ -34,24 +33,6 @@ from procs.inference.torch_attention import causal_mask as _mask, decode_attenti
 # suffix does not pay for a whole chunk of queries against a long context.
 EXACT_Q = 64
 ROPE_BLOCK = 1024      # rotary table rows computed at a time (Llama.ensure_rope)
-
-
-class Layer(NamedTuple):
-    attn_norm: torch.Tensor
-    wqkv: Linear
-    bqkv: torch.Tensor | None
-    qk_norm: torch.Tensor | None
-    wo: Linear
-    post_attn_norm: torch.Tensor | None    # Gemma 3: RMSNorm on the attention output
-    ffn_norm: torch.Tensor
-    wgu: Linear | None                     # the dense MLP; with moe, None or the shared expert
-    wd: Linear | None
-    moe: MoE | None                        # Qwen3 MoE: experts in place of the dense MLP
-    post_ffn_norm: torch.Tensor | None     # Gemma 3: RMSNorm on the MLP output
-    window: int                            # sliding window (0: attends to every earlier key)
-    rope: int                              # index into Llama.rope
-    bo: torch.Tensor | None = None         # gpt-oss: the attention output's bias [dim]
-    sinks: torch.Tensor | None = None      # gpt-oss: each head's sink logit, float32 [H]
 
 
 class Llama:

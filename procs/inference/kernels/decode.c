@@ -7,7 +7,7 @@
  * an OpenMP fork per matrix (the serial parts are vectors of a few thousand floats).
  *
  * What a layer carries arrives as optional pointers (NULL: the architecture has none), the
- * same facts procs/inference/model.Layer holds; a mixture-of-experts layer is not taken here
+ * same facts procs/inference/layer.Layer holds; a mixture-of-experts layer is not taken here
  * (native.py leaves such models on torch's path).
  */
 #include <math.h>
