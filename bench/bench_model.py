@@ -176,7 +176,7 @@ def weight_kind(lin) -> str:
 
 def run(args) -> dict:
     s = Settings(model=args.model, dtype=args.dtype, chunk_size=args.chunk_size, threads=args.threads,
-                 prefill_attention=args.prefill_attention)
+                 prefill_attention=args.prefill_attention, prefill_math=args.prefill_math)
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     res: dict = {
@@ -193,6 +193,7 @@ def run(args) -> dict:
     lin, head = linear_params(model)
     res["settings"]["threads"] = torch.get_num_threads()
     res["settings"]["compute_dtype"] = str(model.dtype).replace("torch.", "")
+    res["settings"]["prefill_math"] = str(model.mm_dtype).replace("torch.", "")
     res["model"] = {"file": os.path.basename(resolve(s.model, s.models_path())), "arch": model.cfg.arch, "n_layers": model.cfg.n_layers, "dim": model.cfg.dim, "ctx": ctx,
                     "linear_params": lin, "lm_head_params": head,
                     "decode_path": "native" if model.decoder is not None else "torch",
@@ -202,11 +203,17 @@ def run(args) -> dict:
         res["load_s"] = statistics.median(load_times)
         res["load_samples_s"] = load_times
 
-    # the machine's matmul throughput in the model's compute dtype, at the start and the end
+    # the machine's matmul throughput in the dtype prefill multiplies in, at the start and the
+    # end; in bf16 on the CPU the other dtype too, once (what --prefill-math auto chose between)
     mm_reps = 3 if args.quick else 7
     if not args.no_matmul:
-        log(f"matmul throughput ({res['settings']['compute_dtype']}, start)")
-        res["matmul_start"] = measure_matmul(model.dtype, mm_reps)
+        log(f"matmul throughput ({res['settings']['prefill_math']}, start)")
+        res["matmul_start"] = measure_matmul(model.mm_dtype, mm_reps)
+        if model.dtype == torch.bfloat16 and model.device.type == "cpu":
+            other = torch.float32 if model.mm_dtype == torch.bfloat16 else torch.bfloat16
+            log(f"matmul throughput ({str(other).replace('torch.', '')}, for comparison)")
+            res["matmul_other"] = {"dtype": str(other).replace("torch.", ""),
+                                   **measure_matmul(other, mm_reps)}
 
     log("warmup")
     warmup(model, args.chunk_size, rng)
@@ -284,7 +291,7 @@ def run(args) -> dict:
 
     if not args.no_matmul:
         log("matmul throughput (end)")
-        res["matmul_end"] = measure_matmul(model.dtype, mm_reps)
+        res["matmul_end"] = measure_matmul(model.mm_dtype, mm_reps)
         # roofline: the better of the two medians (both are under the same shared-machine noise)
         res["roofline_gflops"] = max(res["matmul_start"]["2048x576x1536"]["gflops"],
                                      res["matmul_end"]["2048x576x1536"]["gflops"])
@@ -343,9 +350,13 @@ def table(res: dict) -> str:
 
     if "roofline_gflops" in res:
         out.append("")
-        out.append(f"machine matmul ({res['settings']['compute_dtype']}, median GFLOP/s, start / end of run): "
+        out.append(f"machine matmul ({res['settings']['prefill_math']}, median GFLOP/s, start / end of run): "
                    + ", ".join(f"{k} {res['matmul_start'][k]['gflops']:.0f} / {res['matmul_end'][k]['gflops']:.0f}"
                                for k in res["matmul_start"]))
+        if "matmul_other" in res:
+            o = res["matmul_other"]
+            out.append(f"machine matmul ({o['dtype']}, not what prefill multiplies in here): "
+                       + ", ".join(f"{k} {o[k]['gflops']:.0f}" for k in res["matmul_start"]))
         out.append("")
         rr = [("prefill", "GFLOP/token", "achieved GFLOP/s",
                f"of matmul 2048x576x1536 ({res['roofline_gflops']:.0f} GFLOP/s)")]
@@ -365,7 +376,7 @@ def table(res: dict) -> str:
     st = res["settings"]
     out.append("")
     out.append(f"CPU: {res['machine']['cpu']}, {res['machine']['cpus']} cores")
-    out.append(f"dtype {st['dtype']} -> {st['compute_dtype']}, chunk {st['chunk_size']}, threads {st['threads']}, "
+    out.append(f"dtype {st['dtype']} -> {st['compute_dtype']} (prefill multiplies in {st['prefill_math']}), chunk {st['chunk_size']}, threads {st['threads']}, "
                f"repeats {st['repeats']}, decode steps {st['decode_steps']}, decode {res['model']['decode_path']} on "
                f"{'+'.join(res['model']['decode_weights'])}, prefill attention {res['model']['prefill_attention']}, RSS at end {res['rss_mb']:.0f} MiB, "
                f"loadavg {res['machine']['loadavg_start']:.2f} -> {res['machine']['loadavg_end']:.2f}, "
@@ -380,6 +391,8 @@ def main(argv=None) -> int:
                     "empty = the default model")
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "f32", "f16"))
     ap.add_argument("--chunk-size", type=int, default=512)
+    ap.add_argument("--prefill-math", default="auto", choices=("auto", "bf16", "f32"),
+                    help="in bf16 on the CPU, what prefill multiplies in (the server's --prefill-math)")
     ap.add_argument("--prefill-attention", default="auto", choices=("auto", "native", "sdpa"),
                     help="prefill's attention on the CPU (the server's --prefill-attention)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")

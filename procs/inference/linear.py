@@ -81,9 +81,14 @@ class Linear:
     def w(self) -> torch.Tensor:
         """The dense weight [N, K] in the compute dtype (from the packed copy: valid until the
         next Linear's w)."""
+        return self.weight(self.dtype)
+
+    def weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight [N, K] in dtype: a quantized copy dequantized straight into it
+        (valid until the next Linear's weight of that dtype), a dense one converted."""
         if self._w is not None:
-            return self._w
-        return self.kernels.rows(self.mat, self.dtype, scratch=True)
+            return self._w.to(dtype)
+        return self.kernels.rows(self.mat, dtype, scratch=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:

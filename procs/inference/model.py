@@ -23,7 +23,7 @@ from procs.inference.layer import Layer
 from procs.inference.loader import LoadedWeights
 from procs.inference.moe import MoE, swiglu_oai
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
-from procs.inference.native import QUANTIZED
+from procs.inference.native import QUANTIZED, bf16_products_fast
 from procs.inference.packcache import PackCache
 from procs.inference.rope import q_scale, rotary, specs
 from procs.inference.torch_attention import causal_mask as _mask, decode_attention as _decode_attention, sink_attention
@@ -37,19 +37,29 @@ ROPE_BLOCK = 1024      # rotary table rows computed at a time (Llama.ensure_rope
 
 class Llama:
     def __init__(self, w: LoadedWeights, max_context: int, packed: bool = True, kernels=None,
-                 cache: PackCache | None = None, native_prefill: bool = True, cuda_graphs: bool = False):
+                 cache: PackCache | None = None, native_prefill: bool = True, cuda_graphs: bool = False,
+                 prefill_f32: bool | None = None):
         """packed: decode reads the packed weight copies; False keeps every decode row on the
         dense weights. kernels: procs/inference/native.Kernels; a model they take decodes in
         one native call per token (native.Decoder), another uses their attention kernel
         where it takes the head layout. None: torch's ops only. cache: the native packs
         from an earlier load (procs/inference/packcache.py), and where this one's go.
         native_prefill: prefill's attention (outside exact mode) in the kernels' prefill.c.
-        cuda_graphs: batched decode steps replay captured graphs (graphs.py) where they can."""
+        cuda_graphs: batched decode steps replay captured graphs (graphs.py) where they can.
+        prefill_f32: in bf16 on the CPU, prefill's GEMMs and native attention multiply in f32
+        on the bf16 values widened (K/V and what passes between ops stay bf16); None: where
+        the CPU's bf16 products are no faster than its f32 FMAs (native.bf16_products_fast)."""
         c = self.cfg = w.config
         t = w.tensors
         self.fingerprint = w.fingerprint
         self.norm = t["norm"]
         self.dtype, self.device = self.norm.dtype, self.norm.device
+        if prefill_f32 is None:
+            prefill_f32 = not bf16_products_fast()
+        # the dtype prefill's GEMMs multiply in (mm_dtype) and the attention kernel's pairs
+        self.mm_dtype = torch.float32 if prefill_f32 and self.dtype == torch.bfloat16 \
+            and self.device.type == "cpu" else self.dtype
+        self.pairs = self.mm_dtype == self.dtype
         if self.device.type == "cuda":
             # cuDNN's SDPA plans each new shape on the host: 1.3 ms a call, and decode's key
             # count is new every step (H200, torch 2.11: 38 of a 41 ms step at 4,000 tokens).
@@ -214,13 +224,20 @@ class Llama:
         if pad_to and T > pad_to:
             raise ValueError(f"{T} rows exceed the exact-mode block of {pad_to}")
 
+        md = self.mm_dtype
+
         def mm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            n = h.shape[0]
             if pad_to:   # one GEMM shape whatever the row count (at most T)
-                return dense(F.pad(h, (0, 0, 0, pad_to - h.shape[0])), w)[:h.shape[0]]
-            return dense(h, w)
+                h = F.pad(h, (0, 0, 0, pad_to - n))
+            if md is self.dtype or h.dtype is not self.dtype:   # (an f32 input stays as it is)
+                return dense(h, w)[:n]
+            return dense(h.to(md), w.to(md))[:n].to(self.dtype)
 
         def lin(f: Linear, h: torch.Tensor) -> torch.Tensor:
-            return mm(h, f.w) if pad_to else f(h)
+            if pad_to or (md is not self.dtype and h.shape[0] > PACKED_MAX_ROWS):
+                return mm(h, f.weight(md))
+            return f(h)
         x = self.embed_rows(ids)                                               # [T, dim]
         if c.embed_scale:
             x = x * c.embed_scale
@@ -249,7 +266,7 @@ class Llama:
             kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
             vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
             if T > 1 and not pad_to and self.prefill_attend is not None:
-                return self.prefill_attend(q, kc[li], vc[li], pos, ly.window, self.scale)   # [T, H*D]
+                return self.prefill_attend(q, kc[li], vc[li], pos, ly.window, self.scale, self.pairs)  # [T, H*D]
             ks, mask = keys(ly.window)
             if ly.sinks is not None:
                 if pad_to:   # exact mode's blocks, as below

@@ -55,7 +55,9 @@ class DecodeAttention:
 class PrefillAttention:
     """q [T, H, D] at positions pos..pos+T-1 against k, v [KV, cap, D] (a layer's cache,
     rows 0..pos+T-1 written) -> [T, H*D] in q's dtype: causal, window > 0 a sliding window
-    (kernels/prefill.c). Each row's bits do not depend on how the prompt was split."""
+    (kernels/prefill.c). Each row's bits do not depend on how the prompt was split. pairs:
+    bf16 K/V multiplied as bf16 pairs where the kernels were built with them (q and the
+    weights rounded to bf16), else widened to f32 (the f32 kernel's products on the same values)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.fn = lib.prefill_attention
@@ -66,7 +68,7 @@ class PrefillAttention:
     takes = staticmethod(takes)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, pairs: bool = True) -> torch.Tensor:
         T, H, D = q.shape
         KV = k.shape[0]
         _check_kv(k, v, D, "prefill")
@@ -74,7 +76,8 @@ class PrefillAttention:
             raise ValueError(f"the cache holds {k.shape[1]} rows, not the {pos + T} prefill attends to")
         qf = q.float().contiguous()
         out = torch.empty(T, H * D)
-        rc = self.fn(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), int(k.dtype == torch.bfloat16),
+        kind = (1 if pairs else 2) if k.dtype == torch.bfloat16 else 0     # prefill.c's bf16 argument
+        rc = self.fn(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), kind,
                      KV, H // KV, D, T, pos, window, scale, out.data_ptr())
         if rc:
             raise ValueError(f"native prefill attention does not take G={H // KV}, D={D}")

@@ -74,7 +74,13 @@ def explain(s: Settings, model) -> str:
         path = "decode: torch's ops on the device"
     att = "native" if model.prefill_attend is not None else \
         "torch's ops with sinks" if model.sinks else "torch's SDPA"
-    return f"{str(model.dtype).replace('torch.', '')} ({why}); {path}; prefill attention: {att}"
+    math = ""
+    if model.dtype == torch.bfloat16 and dev == "cpu":
+        how = f"--prefill-math {s.prefill_math}" if s.prefill_math != "auto" else \
+            "auto: this CPU's bf16 products outrun its f32 FMAs" if native.bf16_products_fast() else \
+            "auto: this CPU's bf16 products are no faster than its f32 FMAs"
+        math = f"; prefill multiplies in {'f32' if model.mm_dtype == torch.float32 else 'bf16'} ({how})"
+    return f"{str(model.dtype).replace('torch.', '')} ({why}); {path}; prefill attention: {att}{math}"
 
 
 def _trim_heap() -> None:
@@ -106,7 +112,8 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     if kernels is not None and s.packed_cache_path() and os.path.isfile(path):
         cache = PackCache(cache_file(s.packed_cache_path(), path, dtype, packed))
     model = Llama(w, max(ctx, 1), packed=packed, kernels=kernels, cache=cache,
-                  native_prefill=native_prefill(s, dtype), cuda_graphs=s.cuda_graphs)
+                  native_prefill=native_prefill(s, dtype), cuda_graphs=s.cuda_graphs,
+                  prefill_f32={"auto": None, "f32": True, "bf16": False}[s.prefill_math])
     del w
     _trim_heap()
     secs = time.perf_counter() - t0

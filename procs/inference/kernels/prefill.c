@@ -202,7 +202,7 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
     float *Q = buf, *O = Q + (long)rows * D, *S = O + (long)rows * D, *kr = S + (long)rows * NK;
     float *kt = kr + (long)NK * D, *vb = kt + (long)NK * D, *m = vb + (long)NK * D, *l = m + rows;
     uint32_t *q2 = (uint32_t *)(l + rows);   /* the bf16 pairs' rows: q's, then the weights' */
-    const int dp = DP && bf16 && D % 64 == 0;
+    const int dp = DP && bf16 == 1 && D % 64 == 0;
     for (int r = 0; r < rows; r++) {      /* row r: position pos + t0 + r / G, query head r % G */
         const float *src = q + (long)(t0 + r / G) * H * D + (long)(r % G) * D;
         for (int d = 0; d < D; d++) Q[(long)r * D + d] = src[d] * scale;
@@ -269,8 +269,10 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
 }
 
 /* q [T][KV*G][D] f32 (rows at positions pos..pos+T-1, not yet scaled), out the same shape;
- * K/V head h's row i at k + h*head_stride + i*D elements (bf16 or f32), rows 0..pos+T-1
- * written. window > 0: a row at p sees keys p-window+1..p. Returns 0, or -1 for shapes past
+ * K/V head h's row i at k + h*head_stride + i*D elements, rows 0..pos+T-1 written. bf16: 0 for
+ * f32 K/V; 1 for bf16 K/V, the products on bf16 pairs where built (PAIRS); 2 for bf16 K/V
+ * widened to f32 whatever was built (where the CPU's pair products are no faster than its
+ * FMAs: Intel's avx512_bf16 without AMX). window > 0: a row at p sees keys p-window+1..p. Returns 0, or -1 for shapes past
  * MAXG/MAXD or a failed allocation. */
 int prefill_attention(const float *q, const void *k, const void *v, long head_stride, int bf16, int KV, int G,
                       int D, int T, int pos, int window, float scale, float *out) {

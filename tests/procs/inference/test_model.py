@@ -278,6 +278,46 @@ def test_exact_mode_rows_do_not_depend_on_the_split(model, long_ids):
     assert (ref[0] - base[0]).abs().max().item() <= CHUNK_TOL[model.dtype]
 
 
+def test_prefill_math_in_f32_widens_bf16_values(model_path, model_f32, long_ids, monkeypatch):
+    """--prefill-math f32 (auto where the CPU's bf16 products are no faster than its f32 FMAs):
+    a bf16 model's prefill hands its GEMMs f32 rows and weights and its attention kernel
+    widened K/V, while K/V and the rows between ops stay bf16; its logits are at least as
+    close to f32's as the bf16 products' (the products of bf16 values are exact in f32, and
+    the weights are dequantized to f32, not rounded to bf16), with the same top tokens; its
+    decode is the bf16 model's (the native decoder's own kernels)."""
+    import procs.inference.linear as linear_mod
+    import procs.inference.model as model_mod
+    from procs.inference import native
+    from procs.inference.loader import load
+    from procs.inference.model import Llama
+    seen = []
+
+    def dense(x, w):
+        seen.append((x.dtype, w.dtype))
+        return real(x, w)
+    real = linear_mod.dense
+    for mod in (model_mod, linear_mod):     # forward's own GEMMs, and Linear's
+        monkeypatch.setattr(mod, "dense", dense)
+    ids, want = long_ids[:700], list(range(600, 701))
+    ref = KVSession(model_f32, 1024, 512).prefill(ids, logits_at=want)
+    out = {}
+    for f32 in (True, False):
+        m = Llama(load(model_path, torch.bfloat16, "cpu"), 1024, kernels=native.load(), prefill_f32=f32)
+        assert m.mm_dtype == (torch.float32 if f32 else torch.bfloat16) and m.pairs == (not f32)
+        seen.clear()
+        s = KVSession(m, 1024, 512)
+        out[f32] = s.prefill(ids, logits_at=want)
+        assert s.k.dtype == torch.bfloat16
+        assert seen and set(seen) == {(m.mm_dtype, m.mm_dtype)}, set(seen)
+        out[f32, "decode"] = s.decode(ids[0])
+    a, b, r = (_stack(x, want) for x in (out[True], out[False], ref))
+    err, peer = (a - r).abs().mean().item(), (b - r).abs().mean().item()
+    print(f"\n[bf16] mean abs logit diff from f32: f32 products {err:.4f}, bf16 products {peer:.4f}")
+    assert err <= 1.1 * peer
+    assert (a.argmax(-1) == r.argmax(-1)).sum() >= (b.argmax(-1) == r.argmax(-1)).sum() - 2
+    assert (out[True, "decode"] - out[False, "decode"]).abs().max().item() <= CHUNK_TOL[torch.bfloat16]
+
+
 def test_exact_mode_decode_then_prefill(model, long_ids):
     """Rows appended by decode are not prefill rows (int4 kernels); after an answer the
     server prefills its tokens again. Dropped and re-prefilled, the session equals a

@@ -69,15 +69,26 @@ def check_matches_sdpa(pa) -> None:
 
 
 def check_rows_do_not_depend_on_the_split(pa) -> None:
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, pairs in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
         for H, KV, D, window in ((9, 3, 64, 0), (4, 1, 256, 100), (4, 2, 80, 0)):
             pos, T = 37, 400
             q, kc, vc = case(H, KV, D, pos, T, dtype, seed=1)
-            whole = pa(q, kc, vc, pos, window, D ** -0.5)
+            whole = pa(q, kc, vc, pos, window, D ** -0.5, pairs)
             for cuts in ((1,), (31, 32, 33), (63, 64, 65, 190), (128, 256)):
                 edges = [0, *cuts, T]
-                parts = [pa(q[a:b], kc, vc, pos + a, window, D ** -0.5) for a, b in zip(edges, edges[1:])]
-                assert torch.equal(torch.cat(parts), whole), (dtype, H, KV, D, window, cuts)
+                parts = [pa(q[a:b], kc, vc, pos + a, window, D ** -0.5, pairs) for a, b in zip(edges, edges[1:])]
+                assert torch.equal(torch.cat(parts), whole), (dtype, pairs, H, KV, D, window, cuts)
+
+
+def check_widened_bf16_is_the_f32_kernel(pa) -> None:
+    """pairs=False (--prefill-math f32): bf16 K/V widened, then the f32 kernel's products: the
+    bits of the f32 kernel on the same values (q is widened either way)."""
+    for H, KV, D in LAYOUTS:
+        for pos, T, window in CALLS[1:4] + CALLS[5:]:
+            q, kc, vc = case(H, KV, D, pos, T, torch.bfloat16, seed=3)
+            got = pa(q, kc, vc, pos, window, D ** -0.5, False)
+            want = pa(q, kc.float(), vc.float(), pos, window, D ** -0.5)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want), (H, KV, D, pos, T, window)
 
 
 def check_no_row_sees_a_later_key(pa) -> None:
@@ -95,6 +106,7 @@ def check_all() -> None:
     pa = kernel()
     check_matches_sdpa(pa)
     check_rows_do_not_depend_on_the_split(pa)
+    check_widened_bf16_is_the_f32_kernel(pa)
     check_no_row_sees_a_later_key(pa)
 
 
@@ -104,6 +116,10 @@ def test_matches_sdpa_for_every_layout_dtype_and_window():
 
 def test_rows_do_not_depend_on_the_split():
     check_rows_do_not_depend_on_the_split(kernel())
+
+
+def test_widened_bf16_is_the_f32_kernel():
+    check_widened_bf16_is_the_f32_kernel(kernel())
 
 
 def test_no_row_sees_a_later_key():
