@@ -73,8 +73,8 @@ def bf16_products_fast() -> bool:
     """Whether the CPU's bf16 dot products outrun its f32 FMAs, so that bf16 GEMMs and the
     attention kernels' pairs pay: AMX tiles, or avx512_bf16 on AMD (Zen 4/5). Not Intel's
     avx512_bf16 without AMX (Cooper Lake; a Sapphire Rapids whose AMX its VM hides): on 2 cores
-    of such a Xeon (avx512_bf16 avx512_fp16, no amx flag) oneDNN's bf16 GEMM ran at 180-195
-    GFLOP/s against MKL's f32 at 240-360 (512 x 896 x 4864 and three other prefill shapes), and
+    of such a Xeon (avx512_bf16 avx512_fp16, no amx flag) oneDNN's bf16 GEMM ran at 166-195
+    GFLOP/s against MKL's f32 at 230-360 (512 x 896 x 4864 and five other prefill shapes), and
     the prefill kernel's bf16 pairs at about 0.6x its f32 products (SmolLM2 at 8,000 tokens:
     prefill 260-290 tok/s in bf16, 415 with both widened to f32, 425 in f32)."""
     flags = cpu_flags().split()

@@ -272,8 +272,8 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
  * K/V head h's row i at k + h*head_stride + i*D elements, rows 0..pos+T-1 written. bf16: 0 for
  * f32 K/V; 1 for bf16 K/V, the products on bf16 pairs where built (PAIRS); 2 for bf16 K/V
  * widened to f32 whatever was built (where the CPU's pair products are no faster than its
- * FMAs: Intel's avx512_bf16 without AMX). window > 0: a row at p sees keys p-window+1..p. Returns 0, or -1 for shapes past
- * MAXG/MAXD or a failed allocation. */
+ * FMAs: Intel's avx512_bf16 without AMX). window > 0: a row at p sees keys p-window+1..p.
+ * Returns 0, or -1 for shapes past MAXG/MAXD or a failed allocation. */
 int prefill_attention(const float *q, const void *k, const void *v, long head_stride, int bf16, int KV, int G,
                       int D, int T, int pos, int window, float scale, float *out) {
     if (G < 1 || G > MAXG || D < 1 || D > MAXD || T < 1 || pos < 0 || window < 0) return -1;
