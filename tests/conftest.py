@@ -61,9 +61,11 @@ def _load_model(path: str, dtype_name: str, packed: bool = True):
     from procs.inference import native
     from common.config import Settings
     # the kernels the server runs (native.load builds them once and caches the build), and
-    # its choice of prefill attention for this CPU and dtype
+    # its choice of prefill attention and of prefill's products for this CPU and dtype
+    math = os.environ.get("RICORDO_PREFILL_MATH", "auto")
     return Llama(load(path, DTYPES[dtype_name], "cpu"), MAX_CONTEXT, packed=packed, kernels=native.load(),
-                 native_prefill=native_prefill(Settings(), DTYPES[dtype_name]))
+                 native_prefill=native_prefill(Settings(), DTYPES[dtype_name]),
+                 prefill_f32={"auto": None, "f32": True, "bf16": False}[math])
 
 
 def dense_twin(model):

@@ -49,6 +49,10 @@ def describe() -> str:
     device = pick_device(os.environ.get("RICORDO_DEVICE", "auto"))
     dtype = os.environ.get("RICORDO_DTYPE", "auto")
     picked = str(pick_dtype(dtype, device)).replace("torch.", "")
+    if picked == "bfloat16" and device == "cpu":
+        math = os.environ.get("RICORDO_PREFILL_MATH", "auto")
+        f32 = math == "f32" or (math == "auto" and not native.bf16_products_fast())
+        picked += f", prefill's products in {'f32' if f32 else 'bf16'} (RICORDO_PREFILL_MATH={math})"
     return f"ricordo compute dtype: {picked} on {device} (RICORDO_DTYPE={dtype}; f32 or bf16 choose)"
 
 

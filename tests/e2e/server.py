@@ -37,7 +37,8 @@ LOG_TAIL = 80
 # settings from the caller's environment that say where the model is or how to run it; every
 # other RICORDO_* (and PORT, WEB_CONCURRENCY) is dropped so a test sees only what it asked for
 KEEP_ENV = {"RICORDO_MODEL", "RICORDO_MODELS", "RICORDO_MODELS_DIR", "RICORDO_DEVICE", "RICORDO_DTYPE",
-            "RICORDO_THREADS", "RICORDO_DETERMINISTIC", "RICORDO_KERNEL_MARCH", "RICORDO_CUDA_GRAPHS"}
+            "RICORDO_THREADS", "RICORDO_DETERMINISTIC", "RICORDO_KERNEL_MARCH", "RICORDO_CUDA_GRAPHS",
+            "RICORDO_PREFILL_MATH"}
 
 
 def child_env(port: int, run_dir, extra: dict) -> dict[str, str]:
