@@ -57,7 +57,7 @@ def text_model(model_path):
 def _load_model(path: str, dtype_name: str, packed: bool = True):
     from procs.inference.loader import load
     from procs.inference.model import Llama
-    from procs.inference.runtime import DTYPES, native_prefill
+    from procs.inference.runtime import DTYPES, PREFILL_F32, native_prefill
     from procs.inference import native
     from common.config import Settings
     # the kernels the server runs (native.load builds them once and caches the build), and
@@ -65,7 +65,7 @@ def _load_model(path: str, dtype_name: str, packed: bool = True):
     math = os.environ.get("RICORDO_PREFILL_MATH", "auto")
     return Llama(load(path, DTYPES[dtype_name], "cpu"), MAX_CONTEXT, packed=packed, kernels=native.load(),
                  native_prefill=native_prefill(Settings(), DTYPES[dtype_name]),
-                 prefill_f32={"auto": None, "f32": True, "bf16": False}[math])
+                 prefill_f32=PREFILL_F32[math])
 
 
 def dense_twin(model):

@@ -23,7 +23,8 @@ from procs.inference.layer import Layer
 from procs.inference.loader import LoadedWeights
 from procs.inference.moe import MoE, swiglu_oai
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
-from procs.inference.native import QUANTIZED, bf16_products_fast
+from procs.inference.cpu import bf16_products_fast
+from procs.inference.native import QUANTIZED
 from procs.inference.packcache import PackCache
 from procs.inference.rope import q_scale, rotary, specs
 from procs.inference.torch_attention import causal_mask as _mask, decode_attention as _decode_attention, sink_attention
@@ -48,7 +49,7 @@ class Llama:
         cuda_graphs: batched decode steps replay captured graphs (graphs.py) where they can.
         prefill_f32: in bf16 on the CPU, prefill's GEMMs and native attention multiply in f32
         on the bf16 values widened (K/V and what passes between ops stay bf16); None: where
-        the CPU's bf16 products are no faster than its f32 FMAs (native.bf16_products_fast)."""
+        the CPU's bf16 products are no faster than its f32 FMAs (cpu.bf16_products_fast)."""
         c = self.cfg = w.config
         t = w.tensors
         self.fingerprint = w.fingerprint

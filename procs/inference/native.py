@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from common.config import _default_cache_root
+from procs.inference.cpu import bf16_products_fast, cpu_flags  # noqa: F401 (native.cpu_flags, its callers')
 from procs.inference.native_attention import DecodeAttention, PrefillAttention
 
 log = logging.getLogger("ricordo.native")
@@ -51,36 +52,6 @@ ACTS = {"silu": 0, "gelu_tanh": 1}                  # decode.c ACT_*
 
 
 @functools.cache
-def cpu_flags() -> str:
-    """The flags line of /proc/cpuinfo ("" where there is none); read once a process."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD; "" where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-
-
-def bf16_products_fast() -> bool:
-    """Whether the CPU's bf16 dot products outrun its f32 FMAs, so that bf16 GEMMs and the
-    attention kernels' pairs pay: AMX tiles, or avx512_bf16 on AMD (Zen 4/5). Not Intel's
-    avx512_bf16 without AMX (Cooper Lake; a Sapphire Rapids whose AMX its VM hides): on 2 cores
-    of such a Xeon (avx512_bf16 avx512_fp16, no amx flag) oneDNN's bf16 GEMM ran at 166-195
-    GFLOP/s against MKL's f32 at 230-360 (512 x 896 x 4864 and five other prefill shapes), and
-    the prefill kernel's bf16 pairs at about 0.6x its f32 products (SmolLM2 at 8,000 tokens:
-    prefill 260-290 tok/s in bf16, 415 with both widened to f32, 425 in f32)."""
-    flags = cpu_flags().split()
-    return "amx_bf16" in flags or ("avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD")
-
-
 def _build(cache_dir: Path) -> Path:
     src = b"".join((DIR / n).read_bytes() for n in (*SOURCES, *HEADERS))
     key = hashlib.sha1(src + " ".join([CC, *FLAGS, cpu_flags()]).encode()).hexdigest()[:16]

@@ -14,6 +14,8 @@ from procs.inference.model import Llama
 from procs.inference.packcache import PackCache, cache_file
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
+# --prefill-math -> Llama's prefill_f32 (None: the CPU's rule, cpu.bf16_products_fast)
+PREFILL_F32 = {"auto": None, "f32": True, "bf16": False}
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -51,7 +53,8 @@ def describe() -> str:
     picked = str(pick_dtype(dtype, device)).replace("torch.", "")
     if picked == "bfloat16" and device == "cpu":
         math = os.environ.get("RICORDO_PREFILL_MATH", "auto")
-        f32 = math == "f32" or (math == "auto" and not native.bf16_products_fast())
+        f32 = PREFILL_F32[math]
+        f32 = not native.bf16_products_fast() if f32 is None else f32
         picked += f", prefill's products in {'f32' if f32 else 'bf16'} (RICORDO_PREFILL_MATH={math})"
     return f"ricordo compute dtype: {picked} on {device} (RICORDO_DTYPE={dtype}; f32 or bf16 choose)"
 
@@ -117,7 +120,7 @@ def build(s: Settings) -> tuple[Llama, int, float]:
         cache = PackCache(cache_file(s.packed_cache_path(), path, dtype, packed))
     model = Llama(w, max(ctx, 1), packed=packed, kernels=kernels, cache=cache,
                   native_prefill=native_prefill(s, dtype), cuda_graphs=s.cuda_graphs,
-                  prefill_f32={"auto": None, "f32": True, "bf16": False}[s.prefill_math])
+                  prefill_f32=PREFILL_F32[s.prefill_math])
     del w
     _trim_heap()
     secs = time.perf_counter() - t0
