@@ -1,13 +1,13 @@
-"""One decoder layer's tensors, as the loader's weights become them (model.Llama builds
-them; forward(), decode_batch() and the native decoder read them)."""
+"""One decoder layer's tensors, as the loader's weights become them (build_layer, called by
+model.Llama; forward(), decode_batch() and the native decoder read them)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from procs.inference.linear import Linear
-from procs.inference.moe import MoE
+from procs.inference.moe import MoE, swiglu_oai
 
 
 class Layer(NamedTuple):
@@ -26,3 +26,43 @@ class Layer(NamedTuple):
     rope: int                              # index into Llama.rope
     bo: torch.Tensor | None = None         # gpt-oss: the attention output's bias [dim]
     sinks: torch.Tensor | None = None      # gpt-oss: each head's sink logit, float32 [H]
+
+
+def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
+    """Layer i from the loader's tensors t (names "layers.{i}.<name>") and config c: what the
+    layer carries is what its tensors say (biases, q/k norms, experts, sinks). fused(*names)
+    is one Linear over those weights' rows concatenated (model.Llama's, which knows the
+    packing and the pack cache)."""
+    p = f"layers.{i}."
+    bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
+    qkn = None
+    if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
+        qkn = torch.cat([t[p + "q_norm"].expand(c.n_heads, -1),
+                         t[p + "k_norm"].expand(c.n_kv_heads, -1)]).contiguous()
+    window = c.windows[i] if c.windows else 0
+    biases = tuple(t[p + n] for n in ("router_b", "gate_exps_b", "up_exps_b", "down_exps_b")) \
+        if p + "router_b" in t else None
+    act = swiglu_oai(c.swiglu_alpha, c.swiglu_limit) if c.act == "swiglu_oai" else None
+    moe = MoE(*(t[p + n] for n in ("router", "gate_exps", "up_exps", "down_exps")),
+              c.n_experts_used, c.moe_norm_topk, biases, act, c.moe_gating, t.get(p + "router_sb"),
+              c.moe_scale, (c.moe_groups, c.moe_groups_used)) if p + "router" in t else None
+    # the dense MLP, or beside the experts the shared one (GLM-4.5)
+    mlp = ("w_gate_sh", "w_up_sh", "w_down_sh") if p + "w_gate_sh" in t else \
+        (None, None, None) if moe else ("w_gate", "w_up", "w_down")
+    return Layer(
+        t[p + "attn_norm"],
+        fused("wq", "wk", "wv"),                       # [(H+2KV)*D, dim]
+        bias,                                          # [(H+2KV)*D] or None
+        qkn,                                           # [H+KV, D] or None
+        fused("wo"),
+        t.get(p + "post_attn_norm"),
+        t[p + "ffn_norm"],
+        fused(*mlp[:2]) if mlp[0] else None,            # [2*ffn, dim]
+        fused(mlp[2]) if mlp[0] else None,
+        moe,
+        t.get(p + "post_ffn_norm"),
+        window,
+        1 if (window and c.rope_theta_local) or (c.no_rope and c.no_rope[i]) else 0,   # which rotary table
+        t.get(p + "bo"),
+        t[p + "sinks"].float() if p + "sinks" in t else None,
+    )

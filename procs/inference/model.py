@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from procs.inference.graphs import GraphDecoder
-from procs.inference.layer import Layer
+from procs.inference.layer import Layer, build_layer
 from procs.inference.loader import LoadedWeights
-from procs.inference.moe import MoE, swiglu_oai
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
 from procs.inference.cpu import bf16_products_fast
 from procs.inference.native import QUANTIZED
@@ -92,38 +91,7 @@ class Llama:
                 if cache and lin.mat.kind in QUANTIZED:   # a dense one is its source as is
                     cache.put(key, lin.mat)
                 return lin
-            bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
-            qkn = None
-            if p + "q_norm" in t:   # one [D] weight per head row of q, then of k: [H+KV, D]
-                qkn = torch.cat([t[p + "q_norm"].expand(c.n_heads, -1),
-                                 t[p + "k_norm"].expand(c.n_kv_heads, -1)]).contiguous()
-            window = c.windows[i] if c.windows else 0
-            biases = tuple(t[p + n] for n in ("router_b", "gate_exps_b", "up_exps_b", "down_exps_b")) \
-                if p + "router_b" in t else None
-            act = swiglu_oai(c.swiglu_alpha, c.swiglu_limit) if c.act == "swiglu_oai" else None
-            moe = MoE(*(t[p + n] for n in ("router", "gate_exps", "up_exps", "down_exps")),
-                      c.n_experts_used, c.moe_norm_topk, biases, act, c.moe_gating, t.get(p + "router_sb"),
-                      c.moe_scale, (c.moe_groups, c.moe_groups_used)) if p + "router" in t else None
-            # the dense MLP, or beside the experts the shared one (GLM-4.5)
-            mlp = ("w_gate_sh", "w_up_sh", "w_down_sh") if p + "w_gate_sh" in t else \
-                (None, None, None) if moe else ("w_gate", "w_up", "w_down")
-            self.layers.append(Layer(
-                t[p + "attn_norm"],
-                fused("wq", "wk", "wv"),                       # [(H+2KV)*D, dim]
-                bias,                                          # [(H+2KV)*D] or None
-                qkn,                                           # [H+KV, D] or None
-                fused("wo"),
-                t.get(p + "post_attn_norm"),
-                t[p + "ffn_norm"],
-                fused(*mlp[:2]) if mlp[0] else None,            # [2*ffn, dim]
-                fused(mlp[2]) if mlp[0] else None,
-                moe,
-                t.get(p + "post_ffn_norm"),
-                window,
-                1 if (window and c.rope_theta_local) or (c.no_rope and c.no_rope[i]) else 0,   # which rotary table
-                t.get(p + "bo"),
-                t[p + "sinks"].float() if p + "sinks" in t else None,
-            ))
+            self.layers.append(build_layer(c, t, i, fused))
             # the layer's sources are fused copies now: dropped as we go, so a load peaks at
             # one copy of the weights plus one layer, not two copies
             for d in (t, q4, q8p):          # del, not pop: a source never read stays unmade

@@ -1,7 +1,8 @@
 """The frontend's test double: FakeBackend, ZmqBackend's API answering from a script (no
-renderer, no model), the default script, and drive() (one request through the ASGI app
-with a client that disconnects); used by the frontend's unit tests and the HTTP
-fuzz of tests/stress."""
+renderer, no model), the default script, drive() (one request through the ASGI app
+with a client that disconnects), and make() (the app over a FakeBackend, called through
+Client) with the helpers that read its answers (sse, err); used by the frontend's unit tests
+and the HTTP fuzz of tests/stress."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,9 @@ import json
 
 import httpx
 
+from common.config import Settings
 from common.messages import Accepted, Delta, Finished, GenerateRequest, Health, TokenLogprob, Usage
+from procs.frontend.app import create_app
 
 MODEL = "test-model"
 USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=0)
@@ -108,3 +111,56 @@ async def drive(app, body: dict, after_first_body=None, disconnect_after: float 
         asyncio.get_running_loop().call_later(disconnect_after, gone.set)
     await asyncio.wait_for(app(scope, receive, send), 5)
     return out
+
+
+class Client:
+    """Synchronous calls through httpx's ASGI transport (which, unlike falcon's TestClient,
+    keeps the simulated client connected until the response is complete)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def request(self, method, path, json=None, body=None, headers=None) -> Resp:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t") as hc:
+                return Resp(await hc.request(method, path, json=json, content=body, headers=headers))
+        return asyncio.run(go())
+
+    def simulate_post(self, path, **kw) -> Resp:
+        return self.request("POST", path, **kw)
+
+    def simulate_get(self, path, **kw) -> Resp:
+        return self.request("GET", path, **kw)
+
+
+def make(script=ok_script, **kw):
+    s = Settings(model_id=MODEL, max_body_bytes=kw.pop("max_body_bytes", 1 << 16), **kw)
+    be = FakeBackend(script)
+    return be, Client(create_app(be, s))
+
+
+def chat_body(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def sse(text: str) -> list:
+    """The data of each event; comments as ('comment', text)."""
+    out = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        for line in block.split("\n"):
+            if line.startswith(":"):
+                out.append(("comment", line[1:].strip()))
+            elif line.startswith("data: "):
+                d = line[6:]
+                out.append(d if d == "[DONE]" else json.loads(d))
+    return out
+
+
+def err(r, status, param=None, code=None, etype="invalid_request_error"):
+    assert r.status_code == status, r.text
+    e = r.json["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    assert (e["type"], e["param"], e["code"]) == (etype, param, code), e
+    return e

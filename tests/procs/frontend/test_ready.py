@@ -16,8 +16,7 @@ from common.sockets import RENDERER, address
 from procs.frontend import flow
 from procs.frontend.backend import NO_RENDERER_YET, ZmqBackend
 
-from tests.procs.frontend.fakes import MODEL, USAGE
-from tests.procs.frontend.test_app import chat_body, err, make, sse
+from tests.procs.frontend.fakes import MODEL, USAGE, chat_body, err, make, sse
 
 NOT_READY = Health(rid="x", ready=False, detail="waiting for the disk cache index from the persister")
 

@@ -16,7 +16,7 @@ from procs.inference.archs import ModelLoadError, gguf_glm4moe, hf_glm4moe
 from procs.inference.kvsession import KVSession
 from procs.inference.loader import load
 from procs.inference.model import Llama
-from tests.procs.inference.test_architectures import MAX_POS, PROMPT, _prompt, build  # noqa: F401
+from tests.procs.inference.tiny_models import MAX_POS, PROMPT, _prompt, build  # noqa: F401
 
 NAME = "glm4moe"
 

@@ -20,7 +20,7 @@ from procs.inference.hf_files import read_safetensors
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.torch_attention import causal_mask, sink_attention
-from tests.procs.inference.test_architectures import (LOGIT_TOL, MAX_POS, PROMPT, _prompt, _write_gguf,  # noqa: F401
+from tests.procs.inference.tiny_models import (LOGIT_TOL, MAX_POS, PROMPT, _prompt, _write_gguf,  # noqa: F401
                                                       build, gguf)
 
 NAME = "gpt_oss"

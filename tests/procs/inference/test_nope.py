@@ -13,7 +13,7 @@ from procs.inference.archs import nope_layers
 from procs.inference.kvsession import KVSession
 from procs.inference.loader import load
 from procs.inference.model import Llama
-from tests.procs.inference.test_architectures import MAX_POS, PROMPT, _prompt, build  # noqa: F401
+from tests.procs.inference.tiny_models import MAX_POS, PROMPT, _prompt, build  # noqa: F401
 
 
 def _last_logits(w) -> torch.Tensor:

@@ -22,7 +22,7 @@ import copy
 import pytest
 import torch
 
-from tests.procs.inference.test_architectures import CASES, GREEDY, MOE, _ours, _prompt, _transformers, _write_gguf
+from tests.procs.inference.tiny_models import CASES, GREEDY, MOE, _ours, _prompt, _transformers, _write_gguf
 
 gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
@@ -55,7 +55,7 @@ def _dequantized(m, qtype):
 
 @pytest.fixture(scope="module")
 def models():
-    from tests.procs.inference.test_architectures import _hf_model
+    from tests.procs.inference.tiny_models import _hf_model
     return {name: _hf_model(name) for name in CASES if name not in SAME_AS_LLAMA}
 
 

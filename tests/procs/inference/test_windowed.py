@@ -24,7 +24,7 @@ from procs.inference.model import Llama  # noqa: E402
 from procs.inference.kvsession import KVSession  # noqa: E402
 from procs.inference.plan import live_reuse  # noqa: E402
 from tests.helpers import LOG, sha1  # noqa: E402
-from tests.procs.inference.test_architectures import VOCAB, _hf_model  # noqa: E402
+from tests.procs.inference.tiny_models import VOCAB, _hf_model  # noqa: E402
 
 N_CTX, CHUNK, W, PROMPT = 96, 4, 8, 44
 GEMMA_GGUF = os.path.expanduser("~/.cache/ricordo/models/gemma-3-270m-q4_k_m.gguf")

@@ -1,0 +1,334 @@
+"""Tiny random-weight models of each supported architecture, the references the architecture
+tests hold ricordo to: the transformers model (its config per CASES), the same weights saved as
+a Hugging Face dir and written as an F32 GGUF the way llama.cpp's converter writes them (the
+module-scoped `build` fixture), the reference logits and greedy tokens (_transformers), and
+ricordo's own (_ours). Used by test_architectures.py and the per-family tests."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from procs.inference.loader import load  # noqa: E402
+from procs.inference import native  # noqa: E402
+from procs.inference.model import Llama  # noqa: E402
+from procs.inference.kvsession import KVSession  # noqa: E402
+
+VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 320, 64, 128, 2, 4, 2, 16
+PROMPT, GREEDY, MAX_POS = 40, 64, 128
+# f32 logits are O(1-10) here; measured max abs differences are ~1e-6 (HF dir) and the GGUF
+# matches the HF dir to ~1e-6 as well (its tensors are the same f32 values).
+LOGIT_TOL = 1e-3
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+              num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+              max_position_embeddings=MAX_POS, rms_norm_eps=1e-6, bos_token_id=None,
+              eos_token_id=None, pad_token_id=None)
+# original_max_position_embeddings=64 with theta 50000 and D=16 puts one frequency in each
+# llama3 regime (kept, interpolated, divided), so the scaling matters at every position.
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# YaRN stretching 32 trained positions to MAX_POS: with theta 10000 and D=16 the ramp runs over
+# dims 0..2, so one frequency is kept, one blended, six divided by 4, and positions 32+ (most
+# of the prompt and all the greedy tokens) lie past the original context
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+
+PHI_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 32,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
+
+# Ministral 3's YaRN and query scale (16384 trained positions and factor 16, scaled down): q
+# times 1 + 0.1 ln(1 + floor(pos / 16)), so the prompt and the greedy tokens cross 6 steps of it
+MINISTRAL3 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+
+# gpt-oss's YaRN (factor 32 over 4096 positions, scaled down): truncate false ends the ramp
+# at dim 1.41, not 2
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 32}
+
+CASES = {   # name: (transformers config class, its arguments, GGUF architecture)
+    "llama": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False), "llama"),
+    "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3, tie_word_embeddings=True), "llama"),
+    "mistral": ("MistralConfig", dict(rope_theta=1e6, sliding_window=None, tie_word_embeddings=False),
+                "llama"),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1e6, tie_word_embeddings=True), "qwen2"),
+    # head_dim 32 != hidden/heads: q/k/v/o shapes must come from head_dim
+    "qwen3": ("Qwen3Config", dict(rope_theta=1e6, tie_word_embeddings=False, head_dim=32), "qwen3"),
+    # a window of 8 over a 40-token prompt, five sliding layers and a global one (pattern 6), two RoPE
+    # bases, (1 + w) norms, GeGLU, scaled embeddings; query_pre_attn_scalar as llama.cpp assumes it
+    # Qwen3 attention, four SiLU experts per layer, two chosen per token and renormalized
+    "qwen3moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=48, norm_topk_prob=True, rope_theta=1e6,
+                                        tie_word_embeddings=False), "qwen3moe"),
+    "yarn": ("Qwen2Config", dict(rope_parameters=YARN, tie_word_embeddings=True), "qwen2"),
+    # fused qkv and gate_up, every layer over a sliding window of 8
+    "phi3": ("Phi3Config", dict(rope_theta=10000.0, sliding_window=8, tie_word_embeddings=False), "phi3"),
+    # Phi-4 mini's RoPE: 12 of 16 dims rotate, LongRoPE trained at 32 positions (the prompt is
+    # longer: transformers and a context of MAX_POS both take the long factors) with its
+    # attention factor (sqrt(1 + ln 4 / ln 32))
+    "phi4mini": ("Phi3Config", dict(rope_parameters=PHI_LONGROPE, original_max_position_embeddings=32,
+                                    tie_word_embeddings=True), "phi3"),
+    # biases everywhere, a sink logit per head, every other layer over a window of 8, YaRN
+    # unrounded (truncate false), four experts with biases, two chosen, clamped SwiGLU
+    # (_hf_model widens the gates so that the clamps bite)
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                                     sliding_window=8, rope_parameters=GPT_OSS_YARN, tie_word_embeddings=False),
+                "gpt-oss"),
+    # GLM-4.5: half of each head rotates, q/k/v biases and q/k norms (GLM-4.5 355B's), layer 0
+    # dense, then eight experts chosen by sigmoid score plus bias within the better of two
+    # groups, renormalized, times 2.5, beside a shared expert
+    "glm4moe": ("Glm4MoeConfig", dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                                      moe_intermediate_size=64, first_k_dense_replace=1, n_shared_experts=1,
+                                      routed_scaling_factor=2.5, n_group=2, topk_group=1, norm_topk_prob=True,
+                                      attention_bias=True, use_qk_norm=True, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5}),
+                "glm4moe"),
+    # GLM-4 0414: sandwich norms, q/k/v biases, fused gate_up, half of each head rotating in
+    # adjacent pairs
+    "glm4": ("Glm4Config", dict(attention_bias=True, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5}), "glm4"),
+    # Seed-OSS: Llama with q/k/v biases (no output bias, as released)
+    "seed_oss": ("SeedOssConfig", dict(attention_bias=True, attention_out_bias=False, rope_theta=1e7,
+                                       tie_word_embeddings=False), "seed_oss"),
+    # SmolLM3: layer 3 of 4 without RoPE
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, rope_theta=1e6, tie_word_embeddings=True), "smollm3"),
+    # Ministral 3 / Devstral Small 2: Llama with YaRN and the query scale
+    "ministral3": ("Ministral3Config", dict(rope_parameters=MINISTRAL3, tie_word_embeddings=False), "mistral3"),
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
+                                        query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
+                                        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}}),
+               "gemma3"),
+}
+
+# their experts decode with torch's ops (the native decoder declines a mixture of experts)
+MOE = ("qwen3moe", "gpt_oss", "glm4moe")
+
+
+def _hf_model(name: str):
+    cls, extra, _ = CASES[name]
+    cfg = getattr(transformers, cls)(**{**COMMON, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(sum(map(ord, name)))
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():   # transformers zeroes biases and sets norms to 1: randomize all
+        for pname, p in m.named_parameters():
+            if "norm" in pname:   # Gemma scales by (1 + w): 0.3 * randn keeps it near 1 too
+                p.copy_((0 if name == "gemma3" else 1) + 0.3 * torch.randn_like(p))
+            elif pname.endswith("gate_up_proj"):   # gpt-oss: gates and ups past its clamps (+-7)
+                p.normal_(0.0, 0.6)
+            elif pname.endswith("sinks"):          # sinks that take a real share of the softmax
+                p.normal_(1.0, 1.0)
+            else:
+                p.normal_(0.0, 0.15)
+        for bname, b in m.named_buffers():
+            if bname.endswith("e_score_correction_bias"):   # GLM: biases that change the choice
+                b.normal_(0.0, 0.2)
+    return m
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf LlamaModel.permute (Q and K rows, Llama family)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llamacpp_rope_freqs(rp: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf's Llama 3.1 rope_freqs, computed as it does (f32 frequencies)."""
+    base = rp["rope_theta"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    old = rp["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None:
+    """As llama.cpp's converter writes it; `qtype` (a GGMLQuantizationType the gguf package
+    can quantize) stores every 2-D weight quantized, norms and biases in F32;
+    `experts_qtype` the stacked experts' weights."""
+    c = m.config
+    head_dim = c.head_dim
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers + (arch == "glm4moe"))     # GLM's MTP layer counts
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    rp = c.rope_parameters
+    rp = rp.get("full_attention", rp)
+    rot = int(head_dim * rp.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(rot)
+    if rp.get("rope_type") == "longrope":   # what convert_hf_to_gguf writes for Phi-3's LongRoPE
+        orig = rp["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(orig)
+        scale = c.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(orig)))
+        w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], dtype=np.float32))
+    w.add_rope_freq_base(float(rp["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    gemma = arch == "gemma3"
+    if gemma or (arch == "phi3" and getattr(c, "sliding_window", None)):   # what llama.cpp's converter writes (Gemma:
+        w.add_sliding_window(c.sliding_window)            # it reads the pattern (6) and local base itself)
+    if rp.get("rope_type") == "yarn":   # what convert_hf_to_gguf writes for a yarn config
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        for key, add in (("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rp.get(key) is not None:
+                add(rp[key])
+    if arch == "mistral3":   # the converter's Ministral3Model
+        w.add_rope_scaling_yarn_log_mul(rp["mscale_all_dim"])
+        w.add_attn_temperature_scale(rp["llama_4_scaling_beta"])
+    state = m.state_dict()
+    if arch == "gpt-oss":   # as the converter's GptOssModel: gate and up apart, [E, rows, cols]
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.intermediate_size)
+        w.add_sliding_window(c.sliding_window)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            gu, b = state.pop(p + "mlp.experts.gate_up_proj"), state.pop(p + "mlp.experts.gate_up_proj_bias")
+            state[p + "mlp.experts.gate_proj.weight"] = gu[:, :, 0::2].transpose(1, 2)
+            state[p + "mlp.experts.up_proj.weight"] = gu[:, :, 1::2].transpose(1, 2)
+            state[p + "mlp.experts.down_proj.weight"] = state.pop(p + "mlp.experts.down_proj").transpose(1, 2)
+            state[p + "mlp.experts.gate_proj.bias"], state[p + "mlp.experts.up_proj.bias"] = b[:, 0::2], b[:, 1::2]
+            state[p + "mlp.experts.down_proj.bias"] = state.pop(p + "mlp.experts.down_proj_bias")
+            state[p + "self_attn.sinks.weight"] = state.pop(p + "self_attn.sinks")
+    if arch == "glm4moe":    # the converter's Glm4MoeModel (the groups: as for DeepSeek's)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_leading_dense_block_count(c.first_k_dense_replace)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+        w.add_nextn_predict_layers(1)
+        for i in range(c.first_k_dense_replace, c.num_hidden_layers):
+            p = f"model.layers.{i}.mlp."
+            state[p + "gate.e_score_correction.bias"] = state.pop(p + "gate.e_score_correction_bias")
+        # an MTP layer after the others (block_count counts it), which llama.cpp does not run
+        last = f"model.layers.{c.num_hidden_layers - 1}."
+        state.update({k.replace(last, f"model.layers.{c.num_hidden_layers}."): v.clone()
+                      for k, v in list(state.items()) if k.startswith(last)})
+        state[f"model.layers.{c.num_hidden_layers}.eh_proj.weight"] = torch.randn(c.hidden_size, 2 * c.hidden_size)
+    if arch in ("qwen3moe", "glm4moe"):   # the converter's stacked experts: [E, rows, cols], gate and up apart
+        n = c.num_experts if arch == "qwen3moe" else c.n_routed_experts
+        w.add_expert_count(n)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        for i in range(getattr(c, "first_k_dense_replace", 0), c.num_hidden_layers + (arch == "glm4moe")):
+            p = f"model.layers.{i}.mlp.experts."
+            state[p + "gate_proj.weight"], state[p + "up_proj.weight"] = state.pop(p + "gate_up_proj").chunk(2, dim=1)
+            state[p + "down_proj.weight"] = state.pop(p + "down_proj")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[{"glm4moe": "GLM4_MOE"}.get(arch, arch.upper().replace("-", "_"))],
+                                     c.num_hidden_layers + 1)
+    if rp.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llamacpp_rope_freqs(rp, head_dim))
+    for hf_name, t in state.items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        a = t.numpy().astype(np.float32)
+        if gemma and hf_name.endswith("norm.weight"):   # the converter folds Gemma's (1 + w)
+            a = a + 1
+        if arch in ("llama", "smollm3", "mistral3") and ("q_proj" in hf_name or "k_proj" in hf_name):   # LlamaModel's permute
+            a = _permute(a, c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads)
+        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        # weights only: llama.cpp's quantizer keeps biases (gpt-oss's experts' are 2-D) in F32
+        q = None if not gname.endswith(".weight") else experts_qtype if a.ndim == 3 else qtype if a.ndim == 2 else None
+        if q is not None:
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), q), raw_dtype=q)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """build(name) -> (name, transformers model, HF dir path, GGUF path), made once."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            m = _hf_model(name)
+            d = tmp_path_factory.mktemp(name)
+            m.save_pretrained(d / "hf")
+            _write_gguf(m, str(d / "tiny.gguf"), CASES[name][2])
+            made[name] = name, m, str(d / "hf"), str(d / "tiny.gguf")
+        return made[name]
+    return get
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, build):
+    return build(request.param)
+
+
+def _prompt(name: str) -> list[int]:
+    g = torch.Generator().manual_seed(len(name))
+    return torch.randint(0, VOCAB, (PROMPT,), generator=g).tolist()
+
+
+_REFERENCES = {}
+
+
+def _reference(m, ids: list[int]):
+    """_transformers' answer, computed once per model and prompt."""
+    key = (id(m), tuple(ids))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _transformers(m, ids)
+    return _REFERENCES[key]
+
+
+@torch.inference_mode()
+def _transformers(m, ids: list[int]):
+    """transformers: logits after every prompt token, then GREEDY greedy tokens, each the
+    argmax of a full forward over the sequence so far (no cache API to track across versions)."""
+    logits = m(torch.tensor([ids]), use_cache=False).logits[0].float()
+    seq, toks = list(ids), []
+    nxt = int(logits[-1].argmax())
+    for _ in range(GREEDY):
+        toks.append(nxt)
+        seq.append(nxt)
+        nxt = int(m(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax())
+    return logits, toks
+
+
+def _ours(path: str, ids: list[int], kernels: str = "native"):
+    """Prefill, then greedy decode with the server's native decode (native.Decoder; torch's
+    path for a model it does not take, as qwen3moe) or with torch's ops only."""
+    model = Llama(load(path, torch.float32, "cpu"), MAX_POS, kernels=native.load() if kernels == "native" else None)
+    s = KVSession(model, MAX_POS, 16)        # chunks of 16: the prompt crosses two boundaries
+    got = s.prefill(ids, logits_at=range(1, len(ids) + 1))
+    logits = torch.stack([got[n] for n in range(1, len(ids) + 1)])
+    toks = []
+    for _ in range(GREEDY):
+        toks.append(int(s.logits.argmax()))
+        s.decode(toks[-1])
+    return model, logits, toks
