@@ -7,17 +7,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from procs.inference.cpu import f32_gemms_split
 from procs.inference.native import QUANTIZED, pack
 
 # Decode (a few rows) is bound by weight bytes read: it reads weight-only packed copies, 4-bit
 # (int4 groups of 32) or 8-bit (int8 rows), 2-4x fewer bytes than bf16 and up to 8x fewer than
 # f32. Prefill is compute-bound and keeps the dense matmul.
 PACKED_MAX_ROWS = 4
-# f32 GEMMs with a short inner dimension run faster on the CPU in blocks of output features:
-# MKL's sgemm on 2 cores of an AVX2-only AMD EPYC, 512 rows x K=576 x N=3072, 63 GFLOP/s whole
-# and 102 in blocks of 384 (a 576x576 one 73 -> 122; K >= 1536 gains nothing). A block's
-# rows are the same dot products over the same K, and the split depends on the weight's
-# shape only, so a row's value still does not depend on how many rows the call has.
+# f32 GEMMs with a short inner dimension run faster on some CPUs in blocks of output features
+# (cpu.f32_gemms_split says where; on an AVX2-only AMD EPYC a 576x576 one 73 -> 122 GFLOP/s,
+# K >= 1536 gains nothing). A block's rows are the same dot products over the same K, and the
+# split depends on the weight's shape and the CPU only, so a row's value still does not depend
+# on how many rows the call has.
 SPLIT_N, SPLIT_MAX_K = 384, 1024
 
 
@@ -25,7 +26,7 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[N, K].T, in blocks of SPLIT_N output features where that is faster."""
     n, k = w.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or k > SPLIT_MAX_K or n <= SPLIT_N \
-            or x.shape[0] <= PACKED_MAX_ROWS:
+            or x.shape[0] <= PACKED_MAX_ROWS or not f32_gemms_split():
         return F.linear(x, w)
     return torch.cat([F.linear(x, w[i:i + SPLIT_N]) for i in range(0, n, SPLIT_N)], dim=1)
 
