@@ -1,5 +1,6 @@
 """What the CPU is: /proc/cpuinfo's flags and vendor (read once a process), and which
-arithmetic pays on it (bf16_products_fast: the rule behind --prefill-math auto;
+arithmetic pays on it (bf16_native: the rule behind --dtype auto; bf16_products_fast: the
+rule behind --prefill-math auto;
 f32_gemms_split: whether prefill's f32 GEMMs run in blocks of output features)."""
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def cpu_vendor() -> str:
             return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
     except OSError:
         return ""
+
+
+def bf16_native() -> bool:
+    """Whether the CPU has bf16 instructions (avx512_bf16 or AMX), so that --dtype auto computes
+    in bf16 (elsewhere torch emulates bf16 GEMMs, and f32 is faster)."""
+    flags = cpu_flags().split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def bf16_products_fast() -> bool:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from common.config import _default_cache_root
-from procs.inference.cpu import bf16_products_fast, cpu_flags  # noqa: F401 (native.cpu_flags, its callers')
+from procs.inference.cpu import cpu_flags
 from procs.inference.native_attention import DecodeAttention, PrefillAttention
 
 log = logging.getLogger("ricordo.native")
@@ -51,7 +51,6 @@ KIND_NAMES = ("f32", "bf16", "int4", "int8", "q5")          # by kind, for logs 
 ACTS = {"silu": 0, "gelu_tanh": 1}                  # decode.c ACT_*
 
 
-@functools.cache
 def _build(cache_dir: Path) -> Path:
     src = b"".join((DIR / n).read_bytes() for n in (*SOURCES, *HEADERS))
     key = hashlib.sha1(src + " ".join([CC, *FLAGS, cpu_flags()]).encode()).hexdigest()[:16]

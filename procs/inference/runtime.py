@@ -9,6 +9,7 @@ import torch
 from common.config import Settings
 from common.models import context_size, resolve, trained_of
 from procs.inference import native
+from procs.inference.cpu import bf16_native, bf16_products_fast, cpu_flags
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.packcache import PackCache, cache_file
@@ -18,17 +19,12 @@ DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
 PREFILL_F32 = {"auto": None, "f32": True, "bf16": False}
 
 
-def cpu_has_fast_bf16() -> bool:
-    flags = native.cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def native_prefill(s: Settings, dtype: torch.dtype) -> bool:
     """Whether prefill's attention runs in kernels/prefill.c rather than torch's SDPA. auto:
     except in bf16 on AMX, where SDPA's GEMMs run on oneDNN's tiles (expected to win there; not
     measured yet: bench/bench_prefill.py on such a machine decides)."""
     if s.prefill_attention == "auto":
-        return not (dtype == torch.bfloat16 and "amx_bf16" in native.cpu_flags())
+        return not (dtype == torch.bfloat16 and "amx_bf16" in cpu_flags().split())
     return s.prefill_attention == "native"
 
 
@@ -40,7 +36,7 @@ def pick_device(name: str) -> str:
 
 def pick_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") or cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if device.startswith("cuda") or bf16_native() else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r} (auto, bf16, f32, f16)")
     return DTYPES[name]
@@ -54,7 +50,7 @@ def describe() -> str:
     if picked == "bfloat16" and device == "cpu":
         math = os.environ.get("RICORDO_PREFILL_MATH", "auto")
         f32 = PREFILL_F32[math]
-        f32 = not native.bf16_products_fast() if f32 is None else f32
+        f32 = not bf16_products_fast() if f32 is None else f32
         picked += f", prefill's products in {'f32' if f32 else 'bf16'} (RICORDO_PREFILL_MATH={math})"
     return f"ricordo compute dtype: {picked} on {device} (RICORDO_DTYPE={dtype}; f32 or bf16 choose)"
 
@@ -66,7 +62,7 @@ def explain(s: Settings, model) -> str:
         why = f"--dtype {s.dtype}"
     elif dev == "cuda":
         why = "auto: CUDA computes in bf16"
-    elif cpu_has_fast_bf16():
+    elif bf16_native():
         why = "auto: this CPU has native bf16 (avx512_bf16/amx_bf16)"
     else:
         why = "auto: this CPU has no native bf16 (its bf16 GEMMs are emulated), so f32"
@@ -84,7 +80,7 @@ def explain(s: Settings, model) -> str:
     math = ""
     if model.dtype == torch.bfloat16 and dev == "cpu":
         how = f"--prefill-math {s.prefill_math}" if s.prefill_math != "auto" else \
-            "auto: this CPU's bf16 products outrun its f32 FMAs" if native.bf16_products_fast() else \
+            "auto: this CPU's bf16 products outrun its f32 FMAs" if bf16_products_fast() else \
             "auto: this CPU's bf16 products are no faster than its f32 FMAs"
         math = f"; prefill multiplies in {'f32' if model.mm_dtype == torch.float32 else 'bf16'} ({how})"
     return f"{str(model.dtype).replace('torch.', '')} ({why}); {path}; prefill attention: {att}{math}"

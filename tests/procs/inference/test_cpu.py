@@ -14,9 +14,9 @@ MACHINES = {   # name: (vendor, flags), trimmed to what the rules read
     "epyc_avx2": ("AuthenticAMD", "avx2 fma f16c"),
     "intel_avx2": ("GenuineIntel", "avx2 fma"),
 }
-#                  bf16 products fast, f32 GEMMs split
-EXPECTED = {"xeon_amx": (True, False), "xeon_no_amx": (False, False), "zen4": (True, True),
-            "epyc_avx2": (False, True), "intel_avx2": (False, True)}
+#           bf16 native (--dtype auto), bf16 products fast, f32 GEMMs split
+EXPECTED = {"xeon_amx": (True, True, False), "xeon_no_amx": (True, False, False), "zen4": (True, True, True),
+            "epyc_avx2": (False, False, True), "intel_avx2": (False, False, True)}
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def machine(monkeypatch):
 @pytest.mark.parametrize("name", list(MACHINES))
 def test_rules_per_machine(machine, name):
     machine(name)
-    assert (cpu.bf16_products_fast(), cpu.f32_gemms_split()) == EXPECTED[name]
+    assert (cpu.bf16_native(), cpu.bf16_products_fast(), cpu.f32_gemms_split()) == EXPECTED[name]
 
 
 @pytest.mark.parametrize("split", [True, False])
