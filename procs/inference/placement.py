@@ -43,15 +43,17 @@ class Placement:
                 self.evict(v, unsaved)
         return fits
 
-    def session_for(self, job: m.Job, run) -> int:
+    def session_for(self, job: m.Job, run) -> int | None:
         """Put the job's session in place (run.sid, run.sess): the resident one it names, or a
         new one (for a restore, a copy of a resident one's prefix, or a cold prefill), room
-        made for it. Returns how many of the source session's tokens it copied (0: none)."""
+        made for it. Returns how many of the source session's tokens it copied when the job
+        starts from a copy (0: the copy kept nothing, a cold prefill), None when the plan's
+        reuse applies to run.sess itself (Placement.plan)."""
         sess = self.sessions.get(job.session) if job.session else None
         if sess is not None and not job.restore:
             run.sid, run.sess = job.session, sess
             self.sessions.touch(job.session)
-            return 0
+            return None
         busy = self.busy()
         self.sessions.drop_empty(but=busy | {job.source})
         src = self.sessions.get(job.source) if job.source and not job.restore else None
@@ -65,12 +67,12 @@ class Placement:
             self.sessions.touch(job.source)
             if job.source in job.unsaved and len(src) > job.reuse and src.logits is not None:
                 self.disk.save(src, len(src), src.logits, kvfile.EVICT)
-            return 0
+            return None
         if src is None or job.source in busy:
             self.make_room(need, keep, True, job.unsaved, force=True)
         run.sid, run.sess = self.sessions.add()
         if src is None:
-            return 0
+            return None         # cold; or the source is gone, which plan() reports
         r, stale = live_reuse(job.ids, job.reuse, src.tokens, src.logits is not None, self.s.chunk_size,
                               src.can_keep)
         if stale:
@@ -122,7 +124,7 @@ class Placement:
                 ids = ids[:n]
             self.send(m.Begun(rid=job.rid, cached=n, prompt_tokens=len(ids), source="disk"))
             return ids, n
-        r = copied or self.plan(job, sess)
+        r = copied if copied is not None else self.plan(job, sess)
         sess.truncate(r)
         self.make_room(0, {sid}, False, job.unsaved)
         if self.frontiers.get(sid, 0) > r:
