@@ -27,11 +27,15 @@ def cpu_vendor() -> str:
         return ""
 
 
+def has_flag(name: str) -> bool:
+    """Whether /proc/cpuinfo lists the flag, as a whole word (avx512f is not avx512fp16)."""
+    return name in cpu_flags().split()
+
+
 def bf16_native() -> bool:
     """Whether the CPU has bf16 instructions (avx512_bf16 or AMX), so that --dtype auto computes
     in bf16 (elsewhere torch emulates bf16 GEMMs, and f32 is faster)."""
-    flags = cpu_flags().split()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return has_flag("avx512_bf16") or has_flag("amx_bf16")
 
 
 def bf16_products_fast() -> bool:
@@ -42,8 +46,7 @@ def bf16_products_fast() -> bool:
     GFLOP/s against MKL's f32 at 230-360 (512 x 896 x 4864 and five other prefill shapes), and
     the prefill kernel's bf16 pairs at about 0.6x its f32 products (SmolLM2 at 8,000 tokens:
     prefill 260-290 tok/s in bf16, 415 with both widened to f32, 425 in f32)."""
-    flags = cpu_flags().split()
-    return "amx_bf16" in flags or ("avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD")
+    return has_flag("amx_bf16") or (has_flag("avx512_bf16") and cpu_vendor() == "AuthenticAMD")
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,4 +58,4 @@ def f32_gemms_split() -> bool:
     1152 302 against 275, and a Qwen2.5-0.5B prefill of 512 tokens 1.07x faster whole
     (SmolLM2 at 2,048: 1.10x). Blocks, then, except on an Intel CPU with AVX-512 (an AMD one
     with it, Zen 4/5, is unmeasured and keeps them)."""
-    return not ("avx512f" in cpu_flags().split() and cpu_vendor() == "GenuineIntel")
+    return not (has_flag("avx512f") and cpu_vendor() == "GenuineIntel")

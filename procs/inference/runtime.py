@@ -9,7 +9,7 @@ import torch
 from common.config import Settings
 from common.models import context_size, resolve, trained_of
 from procs.inference import native
-from procs.inference.cpu import bf16_native, bf16_products_fast, cpu_flags
+from procs.inference.cpu import bf16_native, bf16_products_fast, has_flag
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.packcache import PackCache, cache_file
@@ -24,7 +24,7 @@ def native_prefill(s: Settings, dtype: torch.dtype) -> bool:
     except in bf16 on AMX, where SDPA's GEMMs run on oneDNN's tiles (expected to win there; not
     measured yet: bench/bench_prefill.py on such a machine decides)."""
     if s.prefill_attention == "auto":
-        return not (dtype == torch.bfloat16 and "amx_bf16" in cpu_flags().split())
+        return not (dtype == torch.bfloat16 and has_flag("amx_bf16"))
     return s.prefill_attention == "native"
 
 
