@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import struct
 
-from procs.inference.rope import ModelLoadError, hf_rope, longrope_attn
+from procs.inference.rope import ModelLoadError, hf_rope, longrope_attn, yarn_mscale
 
 GPT_OSS_SWA_PATTERN = 2         # layer i slides when i % 2 == 0 (transformers' layer_types default)
 GEMMA3_SWA_PATTERN = 6
@@ -151,6 +151,66 @@ def hf_glm4moe(c: dict, head_dim: int, where: str) -> dict:
                 moe_scale=float(c.get("routed_scaling_factor") or 1.0),
                 moe_groups=int(c.get("n_group") or 1), moe_groups_used=int(c.get("topk_group") or 1),
                 dense_layers=int(c.get("first_k_dense_replace") or 0))
+
+
+def hf_mla(c: dict, where: str) -> dict:
+    """Multi-head latent attention's ModelConfig fields (mla.py) from a config.json, with
+    GLM-4.5's experts (GLM-4.7-Flash): one K/V head of kv_lora_rank + qk_rope_head_dim dims,
+    RoPE over the last qk_rope_head_dim, the softmax scale of the unabsorbed head
+    (qk_nope + qk_rope)^-0.5, times YaRN's mscale_all_dim squared where the config scales
+    (transformers' yarn_apply_mscale); the first layers dense as mlp_layer_types (or
+    first_k_dense_replace) say."""
+    try:
+        r, rope, nope, v = (int(c[k]) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    except (KeyError, TypeError) as e:
+        raise ModelLoadError(f"{where}: latent attention needs {e}") from None
+    if rope % 2 or (r + rope) % 2:
+        raise ModelLoadError(f"{where}: odd rotary or latent dims ({rope}, {r})")
+    moe = hf_glm4moe({**c, "partial_rotary_factor": None}, rope, where)
+    theta, factors, attn = hf_rope(c, rope, where)
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    scale = (nope + rope) ** -0.5
+    if rp.get("rope_type", rp.get("type", "default")) not in ("default", None) and rp.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(rp["factor"]), float(rp["mscale_all_dim"])) ** 2
+    types = c.get("mlp_layer_types")
+    dense = next((i for i, t in enumerate(types) if t != "dense"), len(types)) if types else \
+        int(c.get("first_k_dense_replace", 1))
+    # the routed scale as a GGUF stores it (f32): one config, one fingerprint, whichever file
+    moe["moe_scale"] = struct.unpack("f", struct.pack("f", moe["moe_scale"]))[0]
+    return {**moe, "rope_theta": theta, "rope_factors": factors, "rope_attn_factor": attn, "rope_dims": rope,
+            "dense_layers": dense, "attn_scale": scale, "kv_lora": r, "q_lora": int(c.get("q_lora_rank") or 0),
+            "qk_nope": nope, "v_head_dim": v, "head_dim": r + rope, "n_kv_heads": 1}
+
+
+def gguf_mla(meta: dict, prefix: str, where: str, score_bias: bool) -> dict:
+    """The same from a deepseek2 GGUF, as llama.cpp's converter writes it: key_length is the
+    cached row (kv_lora_rank + rope) and key_length_mla the unabsorbed head (nope + rope)
+    since kv_b was split into attn_k_b and attn_v_b; older files state the unabsorbed head
+    in key_length. Experts gated by sigmoid (GLM-4.7-Flash, DeepSeek-V3) or softmax
+    (DeepSeek-V2). YaRN-scaled files (DeepSeek-V2's) are refused: their attention scale is
+    not checked against a reference here."""
+    get = lambda k, d=None: meta.get(prefix + k, d)
+    if get("rope.scaling.type") not in (None, "none") and float(get("rope.scaling.factor", 1.0) or 1.0) > 1:
+        raise ModelLoadError(f"{where}: YaRN-scaled latent attention is not supported")
+    try:
+        r, rope = int(meta[prefix + "attention.kv_lora_rank"]), int(meta[prefix + "rope.dimension_count"])
+        k_len = int(get("attention.key_length_mla", 0)) or int(meta[prefix + "attention.key_length"])
+        v = int(get("attention.value_length_mla", 0)) or int(meta[prefix + "attention.value_length"])
+        moe = dict(ffn_dim=int(meta[prefix + "expert_feed_forward_length"]), n_experts=int(meta[prefix + "expert_count"]),
+                   n_experts_used=int(meta[prefix + "expert_used_count"]))
+    except KeyError as e:
+        raise ModelLoadError(f"{where}: missing GGUF field {e}") from None
+    # a file without the key (GLM-4.7-Flash's first conversions): sigmoid where the router
+    # has a score bias (DeepSeek-V3's and GLM's, both sigmoid), else softmax (V2's)
+    gating = {1: "softmax", 2: "sigmoid"}.get(int(get("expert_gating_func", 2 if score_bias else 1)))
+    if gating is None or not int(get("expert_shared_count", 0)):
+        raise ModelLoadError(f"{where}: latent attention's experts need softmax or sigmoid gating and a shared expert")
+    return {**moe, "moe_norm_topk": bool(get("expert_weights_norm", False)), "moe_gating": gating,
+            "moe_scale": float(get("expert_weights_scale", 1.0)) or 1.0,
+            "moe_groups": int(get("expert_group_count", 1)) or 1, "moe_groups_used": int(get("expert_group_used_count", 1)) or 1,
+            "dense_layers": int(get("leading_dense_block_count", 0)), "rope_dims": rope, "attn_scale": k_len ** -0.5,
+            "kv_lora": r, "q_lora": int(get("attention.q_lora_rank", 0)), "qk_nope": k_len - rope, "v_head_dim": v,
+            "head_dim": r + rope, "n_kv_heads": 1}
 
 
 def gguf_glm4moe(meta: dict, prefix: str, where: str) -> dict:

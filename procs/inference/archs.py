@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # arch_configs.py; re-exported for the loader and tests
 from procs.inference.arch_configs import (GEMMA3_LOCAL_THETA, GEMMA3_SWA_PATTERN,  # noqa: F401
                                           GPT_OSS_SWA_PATTERN, gemma3_layers, gguf_gemma3, gguf_glm4moe,
-                                          gguf_gpt_oss, gguf_moe, gguf_q_scale, hf_gemma3, hf_glm4moe, hf_gpt_oss,
+                                          gguf_gpt_oss, gguf_mla, gguf_moe, gguf_q_scale, hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_mla,
                                           hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, hf_text_config, nope_layers)
 from procs.inference.rope import (ModelLoadError, gguf_rope, hf_rope, llama3_factors,  # noqa: F401
                                   longrope_attn, yarn_factors, yarn_mscale)
@@ -58,6 +58,11 @@ class Arch:
     interleaved_rope: bool = False
     # GGUF tensor names that differ from LAYER_TENSORS' (ours -> GGUF suffix)
     gguf_names: tuple[tuple[str, str], ...] = ()
+    # multi-head latent attention (procs/inference/mla.py) in place of q/k/v; q_lora: the
+    # query through a low-rank pair (q_a, its norm, q_b) rather than one projection
+    mla: bool = False
+    q_lora: bool = False
+    kv_b_split: bool = False         # kv_b stored as its two parts (llama.cpp's attn_k_b, attn_v_b)
 
 
 _GEMMA_HF = (("ffn_norm", "pre_feedforward_layernorm.weight"),
@@ -101,6 +106,12 @@ ARCHS["gpt-oss"] = ARCHS["gpt_oss"] = Arch(
 ARCHS["glm4moe"] = ARCHS["glm4_moe"] = Arch(
     "glm4moe", gguf_permuted_qk=False, moe=True, shared_expert=True, score_bias=True, partial_rope=True,
     gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
+# GLM-4.7-Flash (config.json glm4_moe_lite; its GGUF, as DeepSeek-V2/V3's, says deepseek2):
+# GLM-4.5's experts behind DeepSeek's multi-head latent attention (mla.py), the rotary dims
+# interleaved in both files; the gating (sigmoid or softmax) and the score bias as the file says
+ARCHS["deepseek2"] = ARCHS["glm4_moe_lite"] = Arch(
+    "deepseek2", gguf_permuted_qk=False, moe=True, shared_expert=True, score_bias=True, interleaved_rope=True,
+    mla=True)
 # GLM-4 0414 (9B, 32B, Z1): Gemma's sandwich norms (on the attention's and the MLP's outputs),
 # q/k/v biases where attention_bias says so, fused gate_up, RoPE over the first half of each
 # head's dims in adjacent pairs
@@ -154,6 +165,15 @@ LAYER_TENSORS = {
     "gate_exps_b": ("mlp.experts.{e}.gate_proj.bias", "ffn_gate_exps.bias"),
     "up_exps_b": ("mlp.experts.{e}.up_proj.bias", "ffn_up_exps.bias"),
     "down_exps_b": ("mlp.experts.{e}.down_proj.bias", "ffn_down_exps.bias"),
+    # multi-head latent attention (Arch.mla, q_lora)
+    "wq_a": ("self_attn.q_a_proj.weight", "attn_q_a.weight"),
+    "q_a_norm": ("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
+    "wq_b": ("self_attn.q_b_proj.weight", "attn_q_b.weight"),
+    "wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"),
+    "kv_a_norm": ("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
+    "wkv_b": ("self_attn.kv_b_proj.weight", "attn_kv_b.weight"),
+    "wk_b": ("self_attn.k_b_proj.weight", "attn_k_b.weight"),      # [H, r, nope] (kv_b_split)
+    "wv_b": ("self_attn.v_b_proj.weight", "attn_v_b.weight"),      # [H, v, r]
     # GLM-4.5 (Arch.shared_expert, score_bias)
     "router_sb": ("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
     "w_gate_sh": ("mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"),
@@ -162,7 +182,7 @@ LAYER_TENSORS = {
 }
 # Tensors of the layers that change the math, which an architecture without them must not
 # silently drop (a Llama with attention_bias, say): present but unused is a load error.
-MATH_EXTRAS = {"self_attn.o_proj.bias", "attn_output.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias",
+MATH_EXTRAS = {"self_attn.q_a_proj.bias", "self_attn.kv_a_proj_with_mqa.bias", "self_attn.o_proj.bias", "attn_output.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias",
                "mlp.down_proj.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"}
 
 
@@ -178,6 +198,10 @@ def layer_names(arch: Arch, dense: bool = False) -> list[str]:
     if arch.fused:
         return ["attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"]
     names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm"]
+    if arch.mla:
+        names = ["attn_norm", "wkv_a", "kv_a_norm", "wo", "ffn_norm"] + \
+            (["wk_b", "wv_b"] if arch.kv_b_split else ["wkv_b"]) + \
+            (["wq_a", "q_a_norm", "wq_b"] if arch.q_lora else ["wq"])
     experts = arch.moe and not dense
     names += ["router", "gate_exps", "up_exps", "down_exps"] if experts else \
         ["w_gate_up", "w_down"] if arch.fused_mlp else ["w_gate", "w_up", "w_down"]
@@ -232,6 +256,8 @@ _PER_MODEL = {
     "glm4moe": (("qkv_bias", "attention_bias", False, "blk.0.attn_q.bias"),
                 ("qk_norm", "use_qk_norm", False, "blk.0.attn_q_norm.weight")),
     "glm4": (("qkv_bias", "attention_bias", False, "blk.0.attn_q.bias"),),
+    "deepseek2": (("q_lora", "q_lora_rank", True, "blk.0.attn_q_a.weight"),
+                  ("kv_b_split", "", False, "blk.0.attn_k_b.weight")),
     "seed_oss": (("qkv_bias", "attention_bias", True, "blk.0.attn_q.bias"),
                  ("o_bias", "attention_out_bias", False, "blk.0.attn_output.bias")),
 }

@@ -7,6 +7,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from procs.inference.linear import Linear
+from procs.inference.mla import MLA, kv_b_split
 from procs.inference.moe import MoE, swiglu_oai
 
 
@@ -26,6 +27,7 @@ class Layer(NamedTuple):
     rope: int                              # index into Llama.rope
     bo: torch.Tensor | None = None         # gpt-oss: the attention output's bias [dim]
     sinks: torch.Tensor | None = None      # gpt-oss: each head's sink logit, float32 [H]
+    mla: MLA | None = None                 # latent attention: its projections (wqkv is its first)
 
 
 def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
@@ -49,9 +51,14 @@ def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
     # the dense MLP, or beside the experts the shared one (GLM-4.5)
     mlp = ("w_gate_sh", "w_up_sh", "w_down_sh") if p + "w_gate_sh" in t else \
         (None, None, None) if moe else ("w_gate", "w_up", "w_down")
+    mla = None
+    if p + "wkv_a" in t:      # the query's first projection and kv_a read the same rows: one Linear
+        wa = fused("wq_a" if p + "wq_a" in t else "wq", "wkv_a")
+        uk_uv = (t[p + "wk_b"], t[p + "wv_b"]) if p + "wk_b" in t else kv_b_split(t[p + "wkv_b"], c.n_heads, c.qk_nope)
+        mla = MLA(c, wa, t.get(p + "q_a_norm"), fused("wq_b") if p + "wq_b" in t else None, t[p + "kv_a_norm"], *uk_uv)
     return Layer(
         t[p + "attn_norm"],
-        fused("wq", "wk", "wv"),                       # [(H+2KV)*D, dim]
+        mla.wa if mla else fused("wq", "wk", "wv"),    # [(H+2KV)*D, dim]
         bias,                                          # [(H+2KV)*D] or None
         qkn,                                           # [H+KV, D] or None
         fused("wo"),
@@ -65,4 +72,5 @@ def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
         1 if (window and c.rope_theta_local) or (c.no_rope and c.no_rope[i]) else 0,   # which rotary table
         t.get(p + "bo"),
         t[p + "sinks"].float() if p + "sinks" in t else None,
+        mla,
     )

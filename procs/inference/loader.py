@@ -1,7 +1,7 @@
 """Load a Llama-family checkpoint (GGUF, or a Hugging Face safetensors dir) into torch.
 
-The architectures (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Phi-3, Gemma 3, gpt-oss) are described
-in procs/inference/archs.py.
+The architectures (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Phi-3, Gemma 3, gpt-oss, GLM, and
+GLM-4.7-Flash's latent attention among others) are described in procs/inference/archs.py.
 Format quirks live here, never in forward(): Llama-family GGUFs store Q/K rows permuted for
 llama.cpp's adjacent-pair RoPE, and we un-permute them to the Hugging Face half-split layout
 the model uses; quantized tensors are dequantized once, into the compute dtype.
@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -22,10 +22,10 @@ from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
                                           q4_parts, q8_parts)
 from procs.inference.hf_files import gpt_oss_experts, read_safetensors, text_tensors
-from procs.inference.rows import ROTATED, rotary_perm, rotary_rows, split_fused, unpermute
-from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe,
+from procs.inference.rows import ROTATED, grouped_rows, mla_rows, rotary_perm, rotary_rows, split_fused, unpermute
+from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe, gguf_mla,
                                    gguf_gpt_oss, gguf_moe, gguf_q_scale, gguf_rope, gguf_variant, hf_gemma3,
-                                   hf_glm4moe, hf_gpt_oss, hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, hf_rope,
+                                   hf_glm4moe, hf_gpt_oss, hf_mla, hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, hf_rope,
                                    hf_text_config, hf_variant, layer_names, nope_layers, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
@@ -88,6 +88,12 @@ class ModelConfig:
     # 1 + q_scale_beta * ln(1 + floor(pos / q_scale_floor)); exactly 1 below q_scale_floor
     q_scale_beta: float = 0.0
     q_scale_floor: int = 0
+    # multi-head latent attention (procs/inference/mla.py): K/V rows are one head of kv_lora +
+    # rope_dims (head_dim, n_kv_heads 1); q_lora: the query's low rank (0: one projection)
+    kv_lora: int = 0
+    q_lora: int = 0
+    qk_nope: int = 0
+    v_head_dim: int = 0
 
 
 @dataclass
@@ -156,11 +162,18 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     main_type = max(types, key=types.get)
     head_dim = int(m.get(p + "attention.key_length", dim // n_heads))
     rf = dequant(g, "rope_freqs.weight").tolist() if "rope_freqs.weight" in g.tensors else None
-    rope_dims = int(m.get(p + "rope.dimension_count", head_dim)) if arch.fused or arch.partial_rope else head_dim
+    rope_dims = int(m.get(p + "rope.dimension_count", head_dim)) if arch.fused or arch.partial_rope or arch.mla \
+        else head_dim
     theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path, truncate=arch.name != "gpt-oss",
                                      log_mul=arch.name == "ministral3")
     n_layers = int(m[p + "block_count"])
-    if arch.shared_expert:
+    if arch.mla:
+        # DeepSeek-V2's router has no score bias (exp_probs_b); V3's and GLM-4.7-Flash's have
+        arch = replace(arch, score_bias=any(n.endswith(".exp_probs_b.bias") for n in g.tensors))
+        extra = gguf_mla(m, p, path, arch.score_bias)
+        head_dim = extra.pop("head_dim")
+        n_layers -= int(m.get(p + "nextn_predict_layers", 0))     # MTP layers, not run
+    elif arch.shared_expert:
         extra = {**gguf_glm4moe(m, p, path), "rope_dims": rope_dims if rope_dims != head_dim else 0}
         n_layers -= int(m.get(p + "nextn_predict_layers", 0))     # MTP layers, not run
     else:
@@ -179,7 +192,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         extra.update(_gguf_phi3(g, p, head_dim, rope_dims, path))
     cfg = ModelConfig(
         n_layers=n_layers, dim=dim,
-        n_heads=n_heads, n_kv_heads=int(m.get(p + "attention.head_count_kv", n_heads)),
+        n_heads=n_heads, n_kv_heads=extra.pop("n_kv_heads", int(m.get(p + "attention.head_count_kv", n_heads))),
         head_dim=head_dim, vocab_size=int(emb.shape[1]), rope_theta=theta,
         norm_eps=float(m[p + "attention.layer_norm_rms_epsilon"]),
         max_context=int(m.get(p + "context_length", 4096)),
@@ -194,6 +207,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     # architecture has q/k biases: archs.layer_names)
     permuted = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if arch.gguf_permuted_qk else {}
     perm = rotary_perm(cfg.head_dim, cfg.rope_dims, arch.interleaved_rope) if arch.partial_rope else None
+    mla = mla_rows(cfg) if arch.mla else {}      # llama.cpp rotates adjacent pairs: interleaved rows
     keep_f32 = ("router", "router_sb") if arch.score_bias else ()     # sigmoid routing reads them in f32
     tensors, q4, q8, q8p, norms = Lazy(), Lazy(), set(), Lazy(), {}
     for gname, ours in names.items():
@@ -206,17 +220,18 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             raise ModelLoadError(f"{path}: {gname} holds {info.shape[-1]} experts, not {cfg.n_experts}")
         short = ours.rsplit(".", 1)[-1]
         heads = permuted.get(short)
-        rot = perm if perm is not None and short in ROTATED else None
+        rot = (lambda t: rotary_rows(t, cfg.head_dim, perm)) if perm is not None and short in ROTATED else \
+            (lambda t, gr=mla[short]: grouped_rows(t, *gr)) if short in mla else None
         f32 = ours.endswith("norm") or short in keep_f32
 
         def dense(gname=gname, heads=heads, rot=rot, to=torch.float32 if f32 else dtype):
             w = dequant_to(g, gname, to)          # norms in f32: they are fingerprinted
             g.release(gname)
             w = unpermute(w, heads) if heads else w
-            return (w if rot is None else rotary_rows(w, cfg.head_dim, rot)).to(device=device)
+            return (w if rot is None else rot(w)).to(device=device)
         if ours.endswith("norm"):     # fingerprinted as stored; q/k norms reordered after
             norms[ours] = dense(rot=None)
-            tensors[ours] = (norms[ours] if rot is None else rotary_rows(norms[ours], cfg.head_dim, rot)).to(dtype)
+            tensors[ours] = (norms[ours] if rot is None else rot(norms[ours])).to(dtype)
         else:
             tensors.later(ours, dense)
         # a quantized source's parts (rows of levels, per-group scales...) in HF row order
@@ -224,7 +239,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             x = read(g, gname)
             g.release(gname)
             x = tuple(unpermute(t, heads) for t in x) if heads else x
-            return x if rot is None else tuple(rotary_rows(t, cfg.head_dim, rot) for t in x)
+            return x if rot is None else tuple(rot(t) for t in x)
         if info.type_name in INT4_TYPES and len(info.shape) == 2:
             q4.later(ours, lambda parts=parts: parts(q4_parts))
         elif info.type_name in INT8_TYPES:
@@ -297,6 +312,9 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
     if arch.name == "gpt-oss":
         extra = hf_gpt_oss(c, head_dim, path)
         gpt_oss_experts(st)
+    elif arch.mla:
+        extra = hf_mla(c, path)
+        head_dim = extra.pop("head_dim")
     elif arch.shared_expert:
         extra = hf_glm4moe(c, head_dim, path)
     elif arch.partial_rope:         # GLM-4
@@ -314,7 +332,7 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
         extra["windows"] = (int(c["sliding_window"]),) * c["num_hidden_layers"]
     cfg = ModelConfig(
         n_layers=c["num_hidden_layers"], dim=c["hidden_size"],
-        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
+        n_heads=n_heads, n_kv_heads=extra.pop("n_kv_heads", c.get("num_key_value_heads", n_heads)),
         head_dim=head_dim, vocab_size=c["vocab_size"],
         norm_eps=float(c["rms_norm_eps"]), max_context=int(c.get("max_position_embeddings", 4096)),
         tied_embeddings="lm_head.weight" not in st, quant_bits=16, arch=arch.name, act=arch.act, **extra)
@@ -342,6 +360,9 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
     perm = rotary_perm(cfg.head_dim, cfg.rope_dims, arch.interleaved_rope) if arch.partial_rope else None
     for name in [n for n in tensors if perm is not None and n.rsplit(".", 1)[-1] in ROTATED]:
         tensors[name] = rotary_rows(tensors[name], cfg.head_dim, perm)
+    mla = mla_rows(cfg) if arch.mla and c.get("rope_interleave", True) else {}
+    for name in [n for n in tensors if n.rsplit(".", 1)[-1] in mla]:
+        tensors[name] = grouped_rows(tensors[name], *mla[name.rsplit(".", 1)[-1]])
     if arch.fused or arch.fused_mlp:
         split_fused(tensors, cfg)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})

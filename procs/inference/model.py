@@ -320,15 +320,19 @@ class Llama:
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
         for li, ly in enumerate(self.layers):
             h = F.rms_norm(x, (c.dim,), ly.attn_norm, c.norm_eps)
-            qkv = lin(ly.wqkv, h)                                    # [T, (H+2KV)*D]
-            if ly.bqkv is not None:
-                qkv = qkv + ly.bqkv
-            qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)
-            if ly.qk_norm is not None:   # RMSNorm over each head of q and k (row-wise: exact mode holds)
-                qk = F.rms_norm(qk, (D,), None, c.norm_eps) * ly.qk_norm
-            qk = self._rope(qk, *ropes[ly.rope])                     # q and k at once
-            q = qk[:, :H] if qs is None else qk[:, :H] * qs
-            att = attend(li, ly, q, qk[:, H:], qkv[:, (H + KV) * D:])
+            if ly.mla is not None:       # latent rows as one K/V head, expanded after attention
+                q, k, v = ly.mla.project(h, lin, mm, *ropes[ly.rope])
+                att = ly.mla.expand(attend(li, ly, q, k, v), mm)
+            else:
+                qkv = lin(ly.wqkv, h)                                # [T, (H+2KV)*D]
+                if ly.bqkv is not None:
+                    qkv = qkv + ly.bqkv
+                qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)
+                if ly.qk_norm is not None:   # RMSNorm over each head of q and k (row-wise: exact mode holds)
+                    qk = F.rms_norm(qk, (D,), None, c.norm_eps) * ly.qk_norm
+                qk = self._rope(qk, *ropes[ly.rope])                 # q and k at once
+                q = qk[:, :H] if qs is None else qk[:, :H] * qs
+                att = attend(li, ly, q, qk[:, H:], qkv[:, (H + KV) * D:])
             o = lin(ly.wo, att)                                      # [T, dim]
             if ly.bo is not None:
                 o = o + ly.bo

@@ -75,7 +75,7 @@ class MoE:
         weight, chosen = probs.topk(self.k, dim=-1)                            # [T, k]
         if self.norm_topk:
             weight = weight / weight.sum(dim=-1, keepdim=True)
-        return weight, chosen
+        return weight * self.scale, chosen          # (DeepSeek-V2's routed_scaling_factor; 1 exactly elsewhere)
 
     def __call__(self, h: torch.Tensor, mm: MatMul) -> torch.Tensor:
         T, dim = h.shape

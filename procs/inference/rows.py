@@ -48,6 +48,23 @@ def rotary_rows(t: torch.Tensor, head_dim: int, perm: torch.Tensor) -> torch.Ten
     return t.reshape(-1, head_dim, *t.shape[1:])[:, perm].reshape(t.shape)
 
 
+def mla_rows(cfg: ModelConfig) -> dict[str, tuple[int, torch.Tensor]]:
+    """Latent attention's rows with rotary dims (mla.py), interleaved in the checkpoint: per
+    tensor, (rows per group, the order within a group) that puts each group's last rope_dims
+    rows in half-split order (pairs (2i, 2i + 1) -> (i, i + R/2)), q's per head, kv_a's once."""
+    R = cfg.rope_dims
+    tail = torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2)])
+    q, kv = cfg.qk_nope + R, cfg.kv_lora + R
+    return {"wq": (q, torch.cat([torch.arange(q - R), q - R + tail])),
+            "wq_b": (q, torch.cat([torch.arange(q - R), q - R + tail])),
+            "wkv_a": (kv, torch.cat([torch.arange(kv - R), kv - R + tail]))}
+
+
+def grouped_rows(t: torch.Tensor, group: int, order: torch.Tensor) -> torch.Tensor:
+    """t's rows reordered by order within each group of `group` rows."""
+    return t.reshape(-1, group, *t.shape[1:])[:, order].reshape(t.shape)
+
+
 def split_fused(d: dict, cfg: ModelConfig) -> None:
     """Replace each layer's fused tensors (archs.fused_rows) in d by their row ranges. In a
     Lazy dict each range is made when first read, from the fused value made once and

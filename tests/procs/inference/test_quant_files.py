@@ -47,7 +47,9 @@ def _dequantized(m, qtype):
     ref = copy.deepcopy(m)
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if p.ndim == 2 and "bias" not in name:   # as _write_gguf (gpt-oss's expert biases are 2-D)
+            # as _write_gguf (gpt-oss's expert biases are 2-D; MLA's kv_b goes as two 3-D
+            # parts, kept as the stacked experts are)
+            if p.ndim == 2 and "bias" not in name and "kv_b_proj" not in name:
                 a = p.detach().float().numpy()
                 p.copy_(torch.from_numpy(dequantize(quantize(a, qtype), qtype).reshape(a.shape)))
     return ref

@@ -90,6 +90,17 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                        "partial_rotary_factor": 0.5}),
                 "glm4moe"),
+    # GLM-4.7-Flash: GLM-4.5's experts (layer 0 dense) behind latent attention (a low-rank
+    # query, K/V from a 32-dim latent and 16 interleaved rotary dims); 24 + 16 dims for q.k,
+    # values of 16 (every row a whole number of quant blocks)
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                                                moe_intermediate_size=64, n_shared_experts=1, routed_scaling_factor=1.8,
+                                                n_group=1, topk_group=1, norm_topk_prob=True, kv_lora_rank=32,
+                                                q_lora_rank=64, qk_nope_head_dim=24, qk_rope_head_dim=HEAD_DIM,
+                                                v_head_dim=16, num_key_value_heads=HEADS, rope_interleave=True,
+                                                tie_word_embeddings=False,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                      "deepseek2"),
     # GLM-4 0414: sandwich norms, q/k/v biases, fused gate_up, half of each head rotating in
     # adjacent pairs
     "glm4": ("Glm4Config", dict(attention_bias=True, tie_word_embeddings=False,
@@ -111,7 +122,7 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
 }
 
 # their experts decode with torch's ops (the native decoder declines a mixture of experts)
-MOE = ("qwen3moe", "gpt_oss", "glm4moe")
+MOE = ("qwen3moe", "gpt_oss", "glm4moe", "glm4_moe_lite")
 
 
 def _hf_model(name: str):
@@ -172,9 +183,20 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    mla = arch == "deepseek2"
+    if mla:   # the converter's DeepseekV2Model: latent attention as MQA over the cached row
+        r, rope = c.kv_lora_rank, c.qk_rope_head_dim
+        w.add_head_count_kv(1)
+        w.add_q_lora_rank(c.q_lora_rank)
+        w.add_kv_lora_rank(r)
+        w.add_key_length(r + rope)
+        w.add_value_length(r)
+        w.add_key_length_mla(c.qk_nope_head_dim + rope)
+        w.add_value_length_mla(c.v_head_dim)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     rp = c.rope_parameters
     rp = rp.get("full_attention", rp)
     rot = int(head_dim * rp.get("partial_rotary_factor", 1.0))
@@ -235,12 +257,26 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None
         state.update({k.replace(last, f"model.layers.{c.num_hidden_layers}."): v.clone()
                       for k, v in list(state.items()) if k.startswith(last)})
         state[f"model.layers.{c.num_hidden_layers}.eh_proj.weight"] = torch.randn(c.hidden_size, 2 * c.hidden_size)
-    if arch in ("qwen3moe", "glm4moe"):   # the converter's stacked experts: [E, rows, cols], gate and up apart
+    if mla:   # kv_b as its two parts per head, k_b transposed ([H, r, nope], [H, v, r])
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_leading_dense_block_count(1)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            kv_b = state.pop(p + "self_attn.kv_b_proj.weight").view(c.num_attention_heads, -1, c.kv_lora_rank)
+            state[p + "self_attn.k_b_proj.weight"] = kv_b[:, :c.qk_nope_head_dim].transpose(1, 2).contiguous()
+            state[p + "self_attn.v_b_proj.weight"] = kv_b[:, c.qk_nope_head_dim:].contiguous()
+            if i:
+                state[p + "mlp.gate.e_score_correction.bias"] = state.pop(p + "mlp.gate.e_score_correction_bias")
+    if arch in ("qwen3moe", "glm4moe", "deepseek2"):   # the converter's stacked experts: [E, rows, cols], gate and up apart
         n = c.num_experts if arch == "qwen3moe" else c.n_routed_experts
+        first = 1 if mla else getattr(c, "first_k_dense_replace", 0)
         w.add_expert_count(n)
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        for i in range(getattr(c, "first_k_dense_replace", 0), c.num_hidden_layers + (arch == "glm4moe")):
+        for i in range(first, c.num_hidden_layers + (arch == "glm4moe")):
             p = f"model.layers.{i}.mlp.experts."
             state[p + "gate_proj.weight"], state[p + "up_proj.weight"] = state.pop(p + "gate_up_proj").chunk(2, dim=1)
             state[p + "down_proj.weight"] = state.pop(p + "down_proj")

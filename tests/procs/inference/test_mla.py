@@ -1,0 +1,135 @@
+"""Multi-head latent attention (procs/inference/mla.py; GLM-4.7-Flash, whose GGUF says
+deepseek2) beyond the parity, exact-mode and checkpoint tests of test_architectures.py (whose
+tiny model "glm4_moe_lite" and its GGUF, written as llama.cpp's converter writes one, these
+reuse): the cache holds the latent, each part of the math matters, and GLM-4.7-Flash's
+released config and its GGUF's metadata read as one model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from procs.inference.archs import ModelLoadError, gguf_mla, hf_mla
+from procs.inference.kvsession import KVSession
+from procs.inference.loader import load
+from procs.inference.model import Llama
+from tests.procs.inference.tiny_models import MAX_POS, PROMPT, _prompt, build  # noqa: F401
+
+NAME = "glm4_moe_lite"
+
+
+def _last_logits(w) -> torch.Tensor:
+    s = KVSession(Llama(w, MAX_POS), MAX_POS, 16)
+    return s.prefill(_prompt(NAME), logits_at=[PROMPT])[PROMPT]
+
+
+def test_the_cache_holds_one_latent_row_per_token(build):
+    """K/V rows are [c, k_pe] and [c, 0]: one head of kv_lora + rope dims, whatever the head
+    count, the value's rotary columns exactly zero and its latent the key's."""
+    _, m, _, gguf_path = build(NAME)
+    model = Llama(load(gguf_path, torch.float32, "cpu"), MAX_POS)
+    c, hc = model.cfg, m.config
+    assert (c.n_kv_heads, c.head_dim) == (1, hc.kv_lora_rank + hc.qk_rope_head_dim)
+    s = KVSession(model, MAX_POS, 16)
+    s.prefill(_prompt(NAME))
+    k, v = s.k[:, :, :PROMPT], s.v[:, :, :PROMPT]
+    assert k.shape == (c.n_layers, 1, PROMPT, c.head_dim)
+    assert torch.equal(v[..., :c.kv_lora], k[..., :c.kv_lora])
+    assert not v[..., c.kv_lora:].any() and k[..., c.kv_lora:].abs().min() > 0
+    # the unabsorbed cache would hold a key (nope + rope) and a value per head
+    per_head = hc.num_attention_heads * (hc.qk_nope_head_dim + hc.qk_rope_head_dim + hc.v_head_dim)
+    print(f"\ncached values per token and layer: {2 * c.head_dim} (latent) against {per_head} (per head)")
+
+
+@pytest.mark.parametrize("change", ["interleave", "kv_a_norm", "q_a_norm", "scale", "uk", "score_bias"])
+def test_each_part_matters(build, tmp_path, change):
+    """Dropping one part moves the last prompt token's logits far past the parity tolerance:
+    the rotary rows' reorder (a config saying they are not interleaved), each norm, the
+    unabsorbed softmax scale, the key's half of kv_b, the router's score bias."""
+    _, _, hf_dir, _ = build(NAME)
+    base = _last_logits(load(hf_dir, torch.float32, "cpu"))
+    if change == "interleave":
+        other_dir = tmp_path / "hf"
+        other_dir.mkdir()
+        cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+        (other_dir / "config.json").write_text(json.dumps({**cfg, "rope_interleave": False}))
+        (other_dir / "model.safetensors").symlink_to(Path(hf_dir) / "model.safetensors")
+        other = load(str(other_dir), torch.float32, "cpu")
+    else:
+        w = load(hf_dir, torch.float32, "cpu")
+        t = dict(w.tensors)
+        ends = {"kv_a_norm": "kv_a_norm", "q_a_norm": "q_a_norm", "uk": "wkv_b", "score_bias": "router_sb"}
+        for k in [k for k in t if change in ends and k.endswith(ends[change])]:
+            if change == "uk":     # the rows of kv_b that make keys (nope of each head's nope + v)
+                H, nope = w.config.n_heads, w.config.qk_nope
+                kv = t[k].clone().view(H, -1, t[k].shape[-1])
+                kv[:, :nope] = kv[:, :nope].flip(-1)
+                t[k] = kv.view(t[k].shape)
+            else:
+                t[k] = torch.ones_like(t[k]) if change.endswith("norm") else torch.zeros_like(t[k])
+        cfg = dataclasses.replace(w.config, attn_scale=w.config.head_dim ** -0.5) if change == "scale" else w.config
+        other = dataclasses.replace(w, tensors=t, config=cfg)
+    assert (base - _last_logits(other)).abs().max().item() > 0.05, change
+
+
+# GLM-4.7-Flash's config.json as released (zai-org/GLM-4.7-Flash), the fields the loader reads
+FLASH = dict(model_type="glm4_moe_lite", hidden_size=2048, num_attention_heads=20, num_key_value_heads=20,
+             q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+             rope_theta=1000000, rope_scaling=None, n_routed_experts=64, num_experts_per_tok=4, n_shared_experts=1,
+             first_k_dense_replace=1, routed_scaling_factor=1.8, norm_topk_prob=True, topk_method="noaux_tc",
+             n_group=1, topk_group=1, num_nextn_predict_layers=1, num_hidden_layers=47, vocab_size=154880,
+             max_position_embeddings=202752, intermediate_size=10240, moe_intermediate_size=1536, rms_norm_eps=1e-5)
+# its GGUF's metadata as llama.cpp's converter (DeepseekV2Model) writes it: MQA over the
+# 576-dim latent row, the unabsorbed head in key_length_mla, no MTP layer
+P = "deepseek2."
+FLASH_GGUF = {P + "attention.head_count": 20, P + "attention.head_count_kv": 1, P + "attention.q_lora_rank": 768,
+              P + "attention.kv_lora_rank": 512, P + "attention.key_length": 576, P + "attention.value_length": 512,
+              P + "attention.key_length_mla": 256, P + "attention.value_length_mla": 256,
+              P + "rope.dimension_count": 64, P + "leading_dense_block_count": 1, P + "expert_count": 64,
+              P + "expert_used_count": 4, P + "expert_shared_count": 1, P + "expert_feed_forward_length": 1536,
+              P + "expert_weights_scale": 1.7999999523162842, P + "expert_weights_norm": True,
+              P + "expert_group_count": 1, P + "expert_group_used_count": 1, P + "expert_gating_func": 2}
+
+
+def test_released_config_and_its_gguf_read_as_one_model():
+    got = hf_mla(FLASH, "flash")
+    assert (got["head_dim"], got["n_kv_heads"], got["kv_lora"], got["q_lora"]) == (576, 1, 512, 768)
+    assert (got["qk_nope"], got["v_head_dim"], got["rope_dims"], got["rope_theta"]) == (192, 256, 64, 1e6)
+    assert got["attn_scale"] == 256 ** -0.5 and got["rope_factors"] == ()
+    assert (got["n_experts"], got["n_experts_used"], got["ffn_dim"], got["dense_layers"]) == (64, 4, 1536, 1)
+    assert (got["moe_gating"], got["moe_norm_topk"], got["moe_groups"]) == ("sigmoid", True, 1)
+    g = gguf_mla(FLASH_GGUF, P, "flash.gguf", score_bias=True)
+    assert {k: g[k] for k in g} == {k: got[k] for k in g}
+    # a first conversion without the gating key: sigmoid, as the score bias says
+    no_key = {k: v for k, v in FLASH_GGUF.items() if not k.endswith("gating_func")}
+    assert gguf_mla(no_key, P, "x", score_bias=True)["moe_gating"] == "sigmoid"
+    assert gguf_mla(no_key, P, "x", score_bias=False)["moe_gating"] == "softmax"
+
+
+def test_layouts_not_supported_are_load_errors():
+    with pytest.raises(ModelLoadError, match="YaRN"):     # DeepSeek-V2's scaling: not checked here
+        gguf_mla({**FLASH_GGUF, P + "rope.scaling.type": "yarn", P + "rope.scaling.factor": 40.0}, P, "x", True)
+    with pytest.raises(ModelLoadError, match="shared expert"):
+        gguf_mla({**FLASH_GGUF, P + "expert_shared_count": 0}, P, "x", True)
+    with pytest.raises(ModelLoadError, match="kv_lora_rank"):
+        hf_mla({k: v for k, v in FLASH.items() if k != "kv_lora_rank"}, "x")
+
+
+def test_batched_decode_equals_each_sequence_alone(build):
+    """Two sequences at different positions decoded in one step (the server's batch) give
+    each one's logits as when decoded alone."""
+    _, _, _, gguf_path = build(NAME)
+    model = Llama(load(gguf_path, torch.float32, "cpu"), MAX_POS)
+    ids = _prompt(NAME)
+    a, b = KVSession(model, MAX_POS, 16), KVSession(model, MAX_POS, 16)
+    a.prefill(ids[:30])
+    b.prefill(ids[5:])
+    ta, tb = int(a.logits.argmax()), int(b.logits.argmax())
+    both = model.decode_batch([ta, tb], [30, len(ids) - 5], [(a.k, a.v), (b.k, b.v)])
+    alone = [a.decode(ta), b.decode(tb)]
+    for x, y in zip(both, alone):
+        assert (x - y.flatten()).abs().max().item() < 1e-4
