@@ -5,9 +5,10 @@ routing, Gemma 3's windows and bases, SmolLM3's layers without RoPE, Ministral 3
 scale."""
 from __future__ import annotations
 
+import math
 import struct
 
-from procs.inference.rope import ModelLoadError, hf_rope, longrope_attn, yarn_mscale
+from procs.inference.rope import ModelLoadError, hf_rope, longrope_attn
 
 GPT_OSS_SWA_PATTERN = 2         # layer i slides when i % 2 == 0 (transformers' layer_types default)
 GEMMA3_SWA_PATTERN = 6
@@ -155,7 +156,7 @@ def hf_glm4moe(c: dict, head_dim: int, where: str) -> dict:
 
 def hf_mla(c: dict, where: str) -> dict:
     """Multi-head latent attention's ModelConfig fields (mla.py) from a config.json, with
-    GLM-4.5's experts (GLM-4.7-Flash): one K/V head of kv_lora_rank + qk_rope_head_dim dims,
+    GLM-4.5's experts (GLM-4.7-Flash, DeepSeek-V3; DeepSeek-V2's by softmax): one K/V head of kv_lora_rank + qk_rope_head_dim dims,
     RoPE over the last qk_rope_head_dim, the softmax scale of the unabsorbed head
     (qk_nope + qk_rope)^-0.5, times YaRN's mscale_all_dim squared where the config scales
     (transformers' yarn_apply_mscale); the first layers dense as mlp_layer_types (or
@@ -167,14 +168,22 @@ def hf_mla(c: dict, where: str) -> dict:
     if rope % 2 or (r + rope) % 2:
         raise ModelLoadError(f"{where}: odd rotary or latent dims ({rope}, {r})")
     moe = hf_glm4moe({**c, "partial_rotary_factor": None}, rope, where)
+    if c.get("model_type") == "deepseek_v2":      # softmax, unrenormalized unless said, no bias
+        if c.get("topk_method") not in (None, "greedy") and int(c.get("n_group") or 1) > 1:
+            raise ModelLoadError(f"{where}: DeepSeek-V2's group-limited routing is not supported")
+        moe.update(moe_gating="softmax", moe_norm_topk=bool(c.get("norm_topk_prob", False)), moe_groups=1,
+                   moe_groups_used=1)
     theta, factors, attn = hf_rope(c, rope, where)
     rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
     scale = (nope + rope) ** -0.5
     if rp.get("rope_type", rp.get("type", "default")) not in ("default", None) and rp.get("mscale_all_dim"):
-        scale *= yarn_mscale(float(rp["factor"]), float(rp["mscale_all_dim"])) ** 2
+        # yarn_mscale's 1 + 0.1 m ln(factor), with 0.1 m in f32 as a GGUF stores it
+        # (yarn_log_multiplier): one config, one fingerprint, whichever file
+        mul = struct.unpack("f", struct.pack("f", 0.1 * float(rp["mscale_all_dim"])))[0]
+        scale *= (1 + mul * math.log(float(rp["factor"]))) ** 2
     types = c.get("mlp_layer_types")
     dense = next((i for i, t in enumerate(types) if t != "dense"), len(types)) if types else \
-        int(c.get("first_k_dense_replace", 1))
+        int(c.get("first_k_dense_replace", 1 if c.get("model_type") == "glm4_moe_lite" else 0))
     # the routed scale as a GGUF stores it (f32): one config, one fingerprint, whichever file
     moe["moe_scale"] = struct.unpack("f", struct.pack("f", moe["moe_scale"]))[0]
     return {**moe, "rope_theta": theta, "rope_factors": factors, "rope_attn_factor": attn, "rope_dims": rope,
@@ -187,11 +196,12 @@ def gguf_mla(meta: dict, prefix: str, where: str, score_bias: bool) -> dict:
     cached row (kv_lora_rank + rope) and key_length_mla the unabsorbed head (nope + rope)
     since kv_b was split into attn_k_b and attn_v_b; older files state the unabsorbed head
     in key_length. Experts gated by sigmoid (GLM-4.7-Flash, DeepSeek-V3) or softmax
-    (DeepSeek-V2). YaRN-scaled files (DeepSeek-V2's) are refused: their attention scale is
-    not checked against a reference here."""
+    (DeepSeek-V2). YaRN (DeepSeek-V2's): the softmax scale times (1 + yarn_log_multiplier
+    ln(factor))^2, the converter's 0.1 mscale_all_dim making it transformers' mscale^2."""
     get = lambda k, d=None: meta.get(prefix + k, d)
-    if get("rope.scaling.type") not in (None, "none") and float(get("rope.scaling.factor", 1.0) or 1.0) > 1:
-        raise ModelLoadError(f"{where}: YaRN-scaled latent attention is not supported")
+    mscale = 1.0
+    if get("rope.scaling.type") == "yarn" and float(get("rope.scaling.factor", 1.0)) > 1:
+        mscale = 1 + float(get("rope.scaling.yarn_log_multiplier", 0.0)) * math.log(float(get("rope.scaling.factor")))
     try:
         r, rope = int(meta[prefix + "attention.kv_lora_rank"]), int(meta[prefix + "rope.dimension_count"])
         k_len = int(get("attention.key_length_mla", 0)) or int(meta[prefix + "attention.key_length"])
@@ -208,7 +218,7 @@ def gguf_mla(meta: dict, prefix: str, where: str, score_bias: bool) -> dict:
     return {**moe, "moe_norm_topk": bool(get("expert_weights_norm", False)), "moe_gating": gating,
             "moe_scale": float(get("expert_weights_scale", 1.0)) or 1.0,
             "moe_groups": int(get("expert_group_count", 1)) or 1, "moe_groups_used": int(get("expert_group_used_count", 1)) or 1,
-            "dense_layers": int(get("leading_dense_block_count", 0)), "rope_dims": rope, "attn_scale": k_len ** -0.5,
+            "dense_layers": int(get("leading_dense_block_count", 0)), "rope_dims": rope, "attn_scale": k_len ** -0.5 * mscale ** 2,
             "kv_lora": r, "q_lora": int(get("attention.q_lora_rank", 0)), "qk_nope": k_len - rope, "v_head_dim": v,
             "head_dim": r + rope, "n_kv_heads": 1}
 

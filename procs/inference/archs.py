@@ -106,10 +106,11 @@ ARCHS["gpt-oss"] = ARCHS["gpt_oss"] = Arch(
 ARCHS["glm4moe"] = ARCHS["glm4_moe"] = Arch(
     "glm4moe", gguf_permuted_qk=False, moe=True, shared_expert=True, score_bias=True, partial_rope=True,
     gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
-# GLM-4.7-Flash (config.json glm4_moe_lite; its GGUF, as DeepSeek-V2/V3's, says deepseek2):
-# GLM-4.5's experts behind DeepSeek's multi-head latent attention (mla.py), the rotary dims
-# interleaved in both files; the gating (sigmoid or softmax) and the score bias as the file says
-ARCHS["deepseek2"] = ARCHS["glm4_moe_lite"] = Arch(
+# DeepSeek-V2/V3 and GLM-4.7-Flash (config.json deepseek_v2, deepseek_v3, glm4_moe_lite; GGUF
+# deepseek2): experts beside a shared one behind DeepSeek's multi-head latent attention
+# (mla.py), the rotary dims interleaved in both files; the gating (sigmoid or softmax) and the
+# router's score bias as the file says
+ARCHS["deepseek2"] = ARCHS["glm4_moe_lite"] = ARCHS["deepseek_v2"] = ARCHS["deepseek_v3"] = Arch(
     "deepseek2", gguf_permuted_qk=False, moe=True, shared_expert=True, score_bias=True, interleaved_rope=True,
     mla=True)
 # GLM-4 0414 (9B, 32B, Z1): Gemma's sandwich norms (on the attention's and the MLP's outputs),

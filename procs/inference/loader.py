@@ -165,7 +165,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     rope_dims = int(m.get(p + "rope.dimension_count", head_dim)) if arch.fused or arch.partial_rope or arch.mla \
         else head_dim
     theta, factors, attn = gguf_rope(m, p, rope_dims, rf, path, truncate=arch.name != "gpt-oss",
-                                     log_mul=arch.name == "ministral3")
+                                     log_mul=arch.name == "ministral3", mla=arch.mla)
     n_layers = int(m[p + "block_count"])
     if arch.mla:
         # DeepSeek-V2's router has no score bias (exp_probs_b); V3's and GLM-4.7-Flash's have
@@ -312,7 +312,8 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
     if arch.name == "gpt-oss":
         extra = hf_gpt_oss(c, head_dim, path)
         gpt_oss_experts(st)
-    elif arch.mla:
+    elif arch.mla:     # DeepSeek-V2's router has no score bias; V3's and GLM-4.7-Flash's have
+        arch = replace(arch, score_bias=any(k.endswith("e_score_correction_bias") for k in st))
         extra = hf_mla(c, path)
         head_dim = extra.pop("head_dim")
     elif arch.shared_expert:

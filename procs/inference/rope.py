@@ -101,7 +101,7 @@ def longrope_attn(factor: float, orig: int) -> float:
 
 
 def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs, where: str, truncate: bool = True,
-              log_mul: bool = False) -> tuple[float, tuple[float, ...], float]:
+              log_mul: bool = False, mla: bool = False) -> tuple[float, tuple[float, ...], float]:
     """(theta, divisors or (), attention factor) from GGUF metadata and the optional rope_freqs
     tensor, which llama.cpp's converter writes for Llama 3.1 scaling (the divisors themselves).
     YaRN as the converter writes it from a config: rope.scaling.factor, original_context_length,
@@ -110,7 +110,10 @@ def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs, where: str, tr
     converter writes no truncate flag and ggml always rounds the ramp's bounds (truncate: False
     for gpt-oss, whose config says so and whose reference does not round). log_mul (Ministral
     3): yarn_log_multiplier is the config's mscale_all_dim (llama.cpp's mistral3 converter
-    writes it so, mscale 1), and the attention factor their ratio, as transformers has it."""
+    writes it so, mscale 1), and the attention factor their ratio, as transformers has it. mla
+    (deepseek2): yarn_log_multiplier is 0.1 mscale_all_dim, which scales the softmax
+    (arch_configs.gguf_mla), and the rotary tables are unscaled: mscale equals mscale_all_dim
+    in every DeepSeek release (the converter writes no mscale), so transformers' ratio is 1."""
     theta = float(meta.get(prefix + "rope.freq_base", 10000.0))
     dims = int(meta.get(prefix + "rope.dimension_count", head_dim))
     if dims != head_dim:
@@ -128,7 +131,7 @@ def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs, where: str, tr
     elif kind == "yarn":
         key = prefix + "rope.scaling."
         mul = float(meta.get(key + "yarn_log_multiplier", 0.0))
-        if float(meta.get(key + "yarn_ext_factor", 1.0)) != 1.0 or (mul and not log_mul):
+        if float(meta.get(key + "yarn_ext_factor", 1.0)) != 1.0 or (mul and not (log_mul or mla)):
             raise ModelLoadError(f"{where}: YaRN with an extrapolation factor or log multiplier is not supported")
         if key + "original_context_length" not in meta:
             raise ModelLoadError(f"{where}: YaRN scaling without rope.scaling.original_context_length")
@@ -137,7 +140,9 @@ def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs, where: str, tr
                             truncate)
         factors = [f * y for f, y in zip(factors, yarn)]
         attn = float(meta.get(key + "yarn_attn_factor", yarn_mscale(scale)))
-        if mul:
+        if mla:
+            attn = 1.0
+        elif mul:
             attn = yarn_mscale(scale) / yarn_mscale(scale, mul)
     elif kind != "none":
         raise ModelLoadError(f"{where}: unsupported RoPE scaling {kind!r} (none, linear, yarn, rope_freqs)")

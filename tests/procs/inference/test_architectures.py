@@ -58,7 +58,7 @@ def test_parity_with_transformers(case, kernels):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe", "gemma3", "gpt_oss", "glm4moe", "glm4", "ministral3",
-                                  "glm4_moe_lite"])
+                                  "glm4_moe_lite", "deepseek_v2"])
 def test_exact_mode_holds_with_biases_and_qk_norms(build, name):
     """Exact mode's promise (bit-identical prefill rows however a prompt is split between a
     restored prefix and the prefill) holds with the row-wise ops these architectures add."""

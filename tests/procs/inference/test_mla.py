@@ -1,13 +1,14 @@
-"""Multi-head latent attention (procs/inference/mla.py; GLM-4.7-Flash, whose GGUF says
-deepseek2) beyond the parity, exact-mode and checkpoint tests of test_architectures.py (whose
+"""Multi-head latent attention (procs/inference/mla.py; GLM-4.7-Flash and DeepSeek-V2/V3,
+whose GGUFs say deepseek2) beyond the parity, exact-mode and checkpoint tests of test_architectures.py (whose
 tiny model "glm4_moe_lite" and its GGUF, written as llama.cpp's converter writes one, these
-reuse): the cache holds the latent, each part of the math matters, and GLM-4.7-Flash's
-released config and its GGUF's metadata read as one model.
+reuse): the cache holds the latent, each part of the math matters, and the released configs
+of GLM-4.7-Flash and DeepSeek-V2-Lite read as their GGUFs' metadata do.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -110,9 +111,38 @@ def test_released_config_and_its_gguf_read_as_one_model():
     assert gguf_mla(no_key, P, "x", score_bias=False)["moe_gating"] == "softmax"
 
 
+# DeepSeek-V2-Lite-Chat's config.json as released (deepseek-ai), and what the converter writes
+LITE = dict(model_type="deepseek_v2", hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+            q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            rope_theta=10000, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+            n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
+            routed_scaling_factor=1.0, norm_topk_prob=False, topk_method="greedy", scoring_func="softmax",
+            n_group=1, topk_group=1, num_hidden_layers=27, vocab_size=102400, moe_intermediate_size=1408,
+            intermediate_size=10944, max_position_embeddings=163840, rms_norm_eps=1e-6)
+LITE_GGUF = {**{k: v for k, v in FLASH_GGUF.items() if "q_lora" not in k and "weights_norm" not in k},
+             P + "attention.head_count": 16, P + "attention.key_length_mla": 192, P + "attention.value_length_mla": 128,
+             P + "expert_used_count": 6, P + "expert_shared_count": 2, P + "expert_feed_forward_length": 1408,
+             P + "expert_weights_scale": 1.0, P + "expert_gating_func": 1, P + "rope.scaling.type": "yarn",
+             P + "rope.scaling.factor": 40.0, P + "rope.scaling.original_context_length": 4096,
+             P + "rope.scaling.yarn_log_multiplier": 0.07069999724626541}
+
+
+def test_deepseek_v2_lite_reads_as_one_model_from_either_file():
+    """YaRN: the softmax scale times mscale_all_dim's factor squared (the converter's 0.1 m,
+    in f32, either way), the rotary tables unscaled (mscale = mscale_all_dim); softmax over
+    the experts, not renormalized."""
+    got = hf_mla(LITE, "lite")
+    assert got["attn_scale"] == pytest.approx(192 ** -0.5 * (1 + 0.0707 * math.log(40)) ** 2, rel=1e-7)
+    assert got["rope_attn_factor"] == 1.0 and len(got["rope_factors"]) == 32
+    assert (got["moe_gating"], got["moe_norm_topk"], got["q_lora"], got["v_head_dim"]) == ("softmax", False, 0, 128)
+    g = gguf_mla(LITE_GGUF, P, "lite.gguf", score_bias=False)
+    assert {k: g[k] for k in g} == {k: got[k] for k in g}
+
+
 def test_layouts_not_supported_are_load_errors():
-    with pytest.raises(ModelLoadError, match="YaRN"):     # DeepSeek-V2's scaling: not checked here
-        gguf_mla({**FLASH_GGUF, P + "rope.scaling.type": "yarn", P + "rope.scaling.factor": 40.0}, P, "x", True)
+    with pytest.raises(ModelLoadError, match="group-limited"):    # DeepSeek-V2 (236B)'s routing
+        hf_mla({**LITE, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}, "x")
     with pytest.raises(ModelLoadError, match="shared expert"):
         gguf_mla({**FLASH_GGUF, P + "expert_shared_count": 0}, P, "x", True)
     with pytest.raises(ModelLoadError, match="kv_lora_rank"):

@@ -101,6 +101,28 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
                                                 tie_word_embeddings=False,
                                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
                       "deepseek2"),
+    # DeepSeek-V2-Lite's shape: one query projection, softmax over the experts, not
+    # renormalized but scaled, two shared experts' worth of MLP, YaRN with mscale_all_dim (the
+    # softmax scale) equal to mscale (the rotary tables' factor then 1)
+    "deepseek_v2": ("DeepseekV2Config", dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                                             num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+                                             routed_scaling_factor=1.5, topk_method="greedy", n_group=1, topk_group=1,
+                                             norm_topk_prob=False, kv_lora_rank=32, q_lora_rank=None,
+                                             qk_nope_head_dim=24, qk_rope_head_dim=HEAD_DIM, v_head_dim=16,
+                                             num_key_value_heads=HEADS, tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                              "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                                              "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+                    "deepseek2"),
+    # DeepSeek-V3's: sigmoid scores plus a bias within the better of two groups, two dense layers
+    "deepseek_v3": ("DeepseekV3Config", dict(num_hidden_layers=4, first_k_dense_replace=2, n_routed_experts=8,
+                                             num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                                             routed_scaling_factor=2.5, n_group=2, topk_group=1, norm_topk_prob=True,
+                                             kv_lora_rank=32, q_lora_rank=64, qk_nope_head_dim=24,
+                                             qk_rope_head_dim=HEAD_DIM, v_head_dim=16, num_key_value_heads=HEADS,
+                                             tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                    "deepseek2"),
     # GLM-4 0414: sandwich norms, q/k/v biases, fused gate_up, half of each head rotating in
     # adjacent pairs
     "glm4": ("Glm4Config", dict(attention_bias=True, tie_word_embeddings=False,
@@ -122,7 +144,7 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
 }
 
 # their experts decode with torch's ops (the native decoder declines a mixture of experts)
-MOE = ("qwen3moe", "gpt_oss", "glm4moe", "glm4_moe_lite")
+MOE = ("qwen3moe", "gpt_oss", "glm4moe", "glm4_moe_lite", "deepseek_v2", "deepseek_v3")
 
 
 def _hf_model(name: str):
@@ -187,7 +209,8 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None
     if mla:   # the converter's DeepseekV2Model: latent attention as MQA over the cached row
         r, rope = c.kv_lora_rank, c.qk_rope_head_dim
         w.add_head_count_kv(1)
-        w.add_q_lora_rank(c.q_lora_rank)
+        if c.q_lora_rank:
+            w.add_q_lora_rank(c.q_lora_rank)
         w.add_kv_lora_rank(r)
         w.add_key_length(r + rope)
         w.add_value_length(r)
@@ -258,21 +281,29 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None
                       for k, v in list(state.items()) if k.startswith(last)})
         state[f"model.layers.{c.num_hidden_layers}.eh_proj.weight"] = torch.randn(c.hidden_size, 2 * c.hidden_size)
     if mla:   # kv_b as its two parts per head, k_b transposed ([H, r, nope], [H, v, r])
+        dense = 1 if c.model_type == "glm4_moe_lite" else c.first_k_dense_replace
         w.add_expert_shared_count(c.n_shared_experts)
-        w.add_leading_dense_block_count(1)
+        w.add_leading_dense_block_count(dense)
         w.add_expert_weights_scale(c.routed_scaling_factor)
-        w.add_expert_weights_norm(c.norm_topk_prob)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if c.norm_topk_prob:                      # the converter writes it only when true
+            w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if c.model_type == "deepseek_v2"
+                                 else gguf.ExpertGatingFuncType.SIGMOID)
+        if (c.n_group or 1) > 1:
+            w.add_expert_group_count(c.n_group)
+            w.add_expert_group_used_count(c.topk_group)
+        if rp.get("rope_type") == "yarn":
+            w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             kv_b = state.pop(p + "self_attn.kv_b_proj.weight").view(c.num_attention_heads, -1, c.kv_lora_rank)
             state[p + "self_attn.k_b_proj.weight"] = kv_b[:, :c.qk_nope_head_dim].transpose(1, 2).contiguous()
             state[p + "self_attn.v_b_proj.weight"] = kv_b[:, c.qk_nope_head_dim:].contiguous()
-            if i:
+            if p + "mlp.gate.e_score_correction_bias" in state:
                 state[p + "mlp.gate.e_score_correction.bias"] = state.pop(p + "mlp.gate.e_score_correction_bias")
     if arch in ("qwen3moe", "glm4moe", "deepseek2"):   # the converter's stacked experts: [E, rows, cols], gate and up apart
         n = c.num_experts if arch == "qwen3moe" else c.n_routed_experts
-        first = 1 if mla else getattr(c, "first_k_dense_replace", 0)
+        first = dense if mla else getattr(c, "first_k_dense_replace", 0)
         w.add_expert_count(n)
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
