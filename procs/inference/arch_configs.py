@@ -156,8 +156,9 @@ def hf_glm4moe(c: dict, head_dim: int, where: str) -> dict:
 
 def hf_mla(c: dict, where: str) -> dict:
     """Multi-head latent attention's ModelConfig fields (mla.py) from a config.json, with
-    GLM-4.5's experts (GLM-4.7-Flash, DeepSeek-V3; DeepSeek-V2's by softmax): one K/V head of kv_lora_rank + qk_rope_head_dim dims,
-    RoPE over the last qk_rope_head_dim, the softmax scale of the unabsorbed head
+    GLM-4.5's experts (GLM-4.7-Flash, DeepSeek-V3; DeepSeek-V2's by softmax): one K/V head
+    of kv_lora_rank + qk_rope_head_dim dims, RoPE over the last qk_rope_head_dim, the
+    softmax scale of the unabsorbed head
     (qk_nope + qk_rope)^-0.5, times YaRN's mscale_all_dim squared where the config scales
     (transformers' yarn_apply_mscale); the first layers dense as mlp_layer_types (or
     first_k_dense_replace) say."""
@@ -206,8 +207,8 @@ def gguf_mla(meta: dict, prefix: str, where: str, score_bias: bool) -> dict:
         r, rope = int(meta[prefix + "attention.kv_lora_rank"]), int(meta[prefix + "rope.dimension_count"])
         k_len = int(get("attention.key_length_mla", 0)) or int(meta[prefix + "attention.key_length"])
         v = int(get("attention.value_length_mla", 0)) or int(meta[prefix + "attention.value_length"])
-        moe = dict(ffn_dim=int(meta[prefix + "expert_feed_forward_length"]), n_experts=int(meta[prefix + "expert_count"]),
-                   n_experts_used=int(meta[prefix + "expert_used_count"]))
+        moe = dict(ffn_dim=int(meta[prefix + "expert_feed_forward_length"]),
+                   n_experts=int(meta[prefix + "expert_count"]), n_experts_used=int(meta[prefix + "expert_used_count"]))
     except KeyError as e:
         raise ModelLoadError(f"{where}: missing GGUF field {e}") from None
     # a file without the key (GLM-4.7-Flash's first conversions): sigmoid where the router
@@ -217,9 +218,11 @@ def gguf_mla(meta: dict, prefix: str, where: str, score_bias: bool) -> dict:
         raise ModelLoadError(f"{where}: latent attention's experts need softmax or sigmoid gating and a shared expert")
     return {**moe, "moe_norm_topk": bool(get("expert_weights_norm", False)), "moe_gating": gating,
             "moe_scale": float(get("expert_weights_scale", 1.0)) or 1.0,
-            "moe_groups": int(get("expert_group_count", 1)) or 1, "moe_groups_used": int(get("expert_group_used_count", 1)) or 1,
-            "dense_layers": int(get("leading_dense_block_count", 0)), "rope_dims": rope, "attn_scale": k_len ** -0.5 * mscale ** 2,
-            "kv_lora": r, "q_lora": int(get("attention.q_lora_rank", 0)), "qk_nope": k_len - rope, "v_head_dim": v,
+            "moe_groups": int(get("expert_group_count", 1)) or 1,
+            "moe_groups_used": int(get("expert_group_used_count", 1)) or 1,
+            "dense_layers": int(get("leading_dense_block_count", 0)), "rope_dims": rope,
+            "attn_scale": k_len ** -0.5 * mscale ** 2, "kv_lora": r, "q_lora": int(get("attention.q_lora_rank", 0)),
+            "qk_nope": k_len - rope, "v_head_dim": v,
             "head_dim": r + rope, "n_kv_heads": 1}
 
 

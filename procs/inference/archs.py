@@ -16,8 +16,9 @@ from dataclasses import dataclass
 # arch_configs.py; re-exported for the loader and tests
 from procs.inference.arch_configs import (GEMMA3_LOCAL_THETA, GEMMA3_SWA_PATTERN,  # noqa: F401
                                           GPT_OSS_SWA_PATTERN, gemma3_layers, gguf_gemma3, gguf_glm4moe,
-                                          gguf_gpt_oss, gguf_mla, gguf_moe, gguf_q_scale, hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_mla,
-                                          hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, hf_text_config, nope_layers)
+                                          gguf_gpt_oss, gguf_mla, gguf_moe, gguf_q_scale, hf_gemma3, hf_glm4moe,
+                                          hf_gpt_oss, hf_mla, hf_moe, hf_partial_rope, hf_phi3, hf_q_scale,
+                                          hf_text_config, nope_layers)
 from procs.inference.rope import (ModelLoadError, gguf_rope, hf_rope, llama3_factors,  # noqa: F401
                                   longrope_attn, yarn_factors, yarn_mscale)
 
@@ -183,8 +184,9 @@ LAYER_TENSORS = {
 }
 # Tensors of the layers that change the math, which an architecture without them must not
 # silently drop (a Llama with attention_bias, say): present but unused is a load error.
-MATH_EXTRAS = {"self_attn.q_a_proj.bias", "self_attn.kv_a_proj_with_mqa.bias", "self_attn.o_proj.bias", "attn_output.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias",
-               "mlp.down_proj.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"}
+MATH_EXTRAS = {"self_attn.o_proj.bias", "attn_output.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias",
+               "mlp.down_proj.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias",
+               "self_attn.q_a_proj.bias", "self_attn.kv_a_proj_with_mqa.bias"}
 
 
 def arch_of(name: str, where: str) -> Arch:

@@ -25,8 +25,9 @@ from procs.inference.hf_files import gpt_oss_experts, read_safetensors, text_ten
 from procs.inference.rows import ROTATED, grouped_rows, mla_rows, rotary_perm, rotary_rows, split_fused, unpermute
 from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe, gguf_mla,
                                    gguf_gpt_oss, gguf_moe, gguf_q_scale, gguf_rope, gguf_variant, hf_gemma3,
-                                   hf_glm4moe, hf_gpt_oss, hf_mla, hf_moe, hf_partial_rope, hf_phi3, hf_q_scale, hf_rope,
-                                   hf_text_config, hf_variant, layer_names, nope_layers, tensor_name, unused_math)
+                                   hf_glm4moe, hf_gpt_oss, hf_mla, hf_moe, hf_partial_rope, hf_phi3, hf_q_scale,
+                                   hf_rope, hf_text_config, hf_variant, layer_names, nope_layers, tensor_name,
+                                   unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}

@@ -147,9 +147,9 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
 MOE = ("qwen3moe", "gpt_oss", "glm4moe", "glm4_moe_lite", "deepseek_v2", "deepseek_v3")
 
 
-def _hf_model(name: str):
+def _hf_model(name: str, **override):
     cls, extra, _ = CASES[name]
-    cfg = getattr(transformers, cls)(**{**COMMON, **extra})
+    cfg = getattr(transformers, cls)(**{**COMMON, **extra, **override})
     cfg._attn_implementation = "eager"
     torch.manual_seed(sum(map(ord, name)))
     m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -193,13 +193,25 @@ def _llamacpp_rope_freqs(rp: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None) -> None:
+def _copy_tokenizer(w, src: str) -> None:
+    """Every tokenizer.* field of the GGUF src (its vocabulary, merges, ids, chat template)."""
+    for name, f in gguf.GGUFReader(src).fields.items():
+        if name.startswith("tokenizer."):
+            t = gguf.GGUFValueType(f.types[0])
+            sub = gguf.GGUFValueType(f.types[1]) if t == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, f.contents(), t, sub)
+
+
+def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None, tokenizer_from: str = "") -> None:
     """As llama.cpp's converter writes it; `qtype` (a GGMLQuantizationType the gguf package
     can quantize) stores every 2-D weight quantized, norms and biases in F32;
-    `experts_qtype` the stacked experts' weights."""
+    `experts_qtype` the stacked experts' weights; tokenizer_from: a GGUF whose tokenizer the
+    file takes (a servable model; m's vocabulary must be its size)."""
     c = m.config
     head_dim = c.head_dim
     w = gguf.GGUFWriter(path, arch)
+    if tokenizer_from:
+        _copy_tokenizer(w, tokenizer_from)
     w.add_block_count(c.num_hidden_layers + (arch == "glm4moe"))     # GLM's MTP layer counts
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
