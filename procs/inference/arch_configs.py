@@ -154,6 +154,11 @@ def hf_glm4moe(c: dict, head_dim: int, where: str) -> dict:
                 dense_layers=int(c.get("first_k_dense_replace") or 0))
 
 
+def _f32(x: float) -> float:
+    """x as a GGUF stores it (f32): a config.json read the same as its GGUF."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def hf_mla(c: dict, where: str) -> dict:
     """Multi-head latent attention's ModelConfig fields (mla.py) from a config.json, with
     GLM-4.5's experts (GLM-4.7-Flash, DeepSeek-V3; DeepSeek-V2's by softmax): one K/V head
@@ -174,20 +179,20 @@ def hf_mla(c: dict, where: str) -> dict:
             raise ModelLoadError(f"{where}: DeepSeek-V2's group-limited routing is not supported")
         moe.update(moe_gating="softmax", moe_norm_topk=bool(c.get("norm_topk_prob", False)), moe_groups=1,
                    moe_groups_used=1)
-    theta, factors, attn = hf_rope(c, rope, where)
     rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
     scale = (nope + rope) ** -0.5
     if rp.get("rope_type", rp.get("type", "default")) not in ("default", None) and rp.get("mscale_all_dim"):
         # yarn_mscale's 1 + 0.1 m ln(factor), with 0.1 m in f32 as a GGUF stores it
         # (yarn_log_multiplier): one config, one fingerprint, whichever file
-        mul = struct.unpack("f", struct.pack("f", 0.1 * float(rp["mscale_all_dim"])))[0]
+        mul = _f32(0.1 * float(rp["mscale_all_dim"]))
         scale *= (1 + mul * math.log(float(rp["factor"]))) ** 2
     types = c.get("mlp_layer_types")
     dense = next((i for i, t in enumerate(types) if t != "dense"), len(types)) if types else \
         int(c.get("first_k_dense_replace", 1 if c.get("model_type") == "glm4_moe_lite" else 0))
     # the routed scale as a GGUF stores it (f32): one config, one fingerprint, whichever file
-    moe["moe_scale"] = struct.unpack("f", struct.pack("f", moe["moe_scale"]))[0]
-    return {**moe, "rope_theta": theta, "rope_factors": factors, "rope_attn_factor": attn, "rope_dims": rope,
+    moe["moe_scale"] = _f32(moe["moe_scale"])
+    # (moe's rope fields: hf_partial_rope over the rope dims, the whole of them: rope_dims 0 there)
+    return {**moe, "rope_dims": rope,
             "dense_layers": dense, "attn_scale": scale, "kv_lora": r, "q_lora": int(c.get("q_lora_rank") or 0),
             "qk_nope": nope, "v_head_dim": v, "head_dim": r + rope, "n_kv_heads": 1}
 
@@ -301,7 +306,7 @@ def hf_q_scale(c: dict, where: str) -> dict:
     floor = rp.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
     if not floor:
         raise ModelLoadError(f"{where}: llama_4_scaling_beta without original_max_position_embeddings")
-    return dict(q_scale_beta=struct.unpack("f", struct.pack("f", beta))[0], q_scale_floor=int(floor))
+    return dict(q_scale_beta=_f32(beta), q_scale_floor=int(floor))
 
 
 def gguf_q_scale(meta: dict, prefix: str, where: str) -> dict:

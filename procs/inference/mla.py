@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from procs.inference.linear import Linear
-
-MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from procs.inference.rope import rotate
 
 
 class MLA:
@@ -39,19 +38,18 @@ class MLA:
         """c: ModelConfig (kv_lora, q_lora, qk_nope, rope_dims, v_head_dim, n_heads); wa: the
         query's first projection (q_a, or q itself without q_lora) and kv_a in one Linear over
         the layer's input; uk [H, r, nope] and uv [H, v, r]: kv_b's two parts per head
-        (kv_b_split), W_UK transposed as llama.cpp's converter stores it (attn_k_b)."""
+        (kv_b_split), W_UK transposed as llama.cpp's converter stores it (attn_k_b). Each
+        head's part is a dense Linear, so the model's lin() runs it as every other linear
+        (exact mode's padded rows, prefill's f32 products, decode in the compute dtype)."""
         self.H, self.r, self.rope, self.nope, self.v = c.n_heads, c.kv_lora, c.rope_dims, c.qk_nope, c.v_head_dim
         self.q_lora, self.eps = c.q_lora, c.norm_eps
         self.wa, self.q_a_norm, self.wq_b, self.kv_a_norm = wa, q_a_norm, wq_b, kv_a_norm
-        self.uk, self.uv = uk.contiguous(), uv.contiguous()    # q_lat = q_nope @ uk[h].T, out = lat @ uv[h].T
+        self.uk = [Linear(w.contiguous(), packed=False) for w in uk]     # q_lat[h] = q_nope[h] @ uk[h].T
+        self.uv = [Linear(w.contiguous(), packed=False) for w in uv]     # out[h] = lat[h] @ uv[h].T
         half = (self.r + self.rope) // 2
         self.idx = torch.cat([torch.arange(self.rope // 2), half + torch.arange(self.rope // 2)]).to(uk.device)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [T, heads, rope]; cos/sin [T, 1, rope]: half-split pairs, rotate-half's sign in sin
-        return x * cos + x.roll(self.rope // 2, -1) * sin
-
-    def project(self, h: torch.Tensor, lin: Callable, mm: MatMul, cos: torch.Tensor, sin: torch.Tensor):
+    def project(self, h: torch.Tensor, lin: Callable, cos: torch.Tensor, sin: torch.Tensor):
         """The rows h [T, dim] -> (q [T, H, D] absorbed and rotated, k [T, 1, D] = [c, k_pe],
         v [T, D] = [c, 0]) for the model's attend(); cos/sin: the rows' [T, 1, D] tables."""
         T, H, r = h.shape[0], self.H, self.r
@@ -63,21 +61,19 @@ class MLA:
         q = q.reshape(T, H, self.nope + self.rope)
         cr, sr = cos[..., self.idx], sin[..., self.idx]
         c = F.rms_norm(kv[:, :r], (r,), self.kv_a_norm, self.eps)
-        k_pe = self._rope(kv[:, r:].reshape(T, 1, self.rope), cr, sr)
-        q_pe = self._rope(q[..., self.nope:], cr, sr)
-        # one matmul per head through mm (exact mode pads its rows as every other linear's)
-        q_lat = torch.stack([mm(q[:, i, :self.nope].contiguous(), self.uk[i]) for i in range(H)], dim=1)
+        k_pe = rotate(kv[:, r:].reshape(T, 1, self.rope), cr, sr)
+        q_pe = rotate(q[..., self.nope:], cr, sr)
+        q_lat = torch.stack([lin(self.uk[i], q[:, i, :self.nope].contiguous()) for i in range(H)], dim=1)
         q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)                 # [T, H, D]
         k = torch.cat([c, k_pe[:, 0].to(c.dtype)], dim=-1).unsqueeze(1)      # [T, 1, D]
         v = torch.cat([c, c.new_zeros(T, self.rope)], dim=-1)                # [T, D]
         return q, k, v
 
-    def expand(self, att: torch.Tensor, mm: MatMul) -> torch.Tensor:
+    def expand(self, att: torch.Tensor, lin: Callable) -> torch.Tensor:
         """attend()'s [T, H * D] (latent rows per head) -> [T, H * v] for the output projection."""
         T = att.shape[0]
         lat = att.view(T, self.H, self.r + self.rope)
-        return torch.cat([mm(lat[:, i, :self.r].contiguous(), self.uv[i]) for i in range(self.H)], dim=1)
-
+        return torch.cat([lin(self.uv[i], lat[:, i, :self.r].contiguous()) for i in range(self.H)], dim=1)
 
 def kv_b_split(kv_b: torch.Tensor, H: int, nope: int) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_b_proj [H * (nope + v), r] -> (uk [H, r, nope], uv [H, v, r])."""

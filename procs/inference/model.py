@@ -25,7 +25,7 @@ from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_so
 from procs.inference.cpu import bf16_products_fast
 from procs.inference.native import QUANTIZED
 from procs.inference.packcache import PackCache
-from procs.inference.rope import q_scale, rotary, specs
+from procs.inference.rope import q_scale, rotary, rotate, specs
 from procs.inference.torch_attention import causal_mask as _mask, decode_attention as _decode_attention, sink_attention
 
 
@@ -167,10 +167,6 @@ class Llama:
             for (cos, sin), (theta, factors, attn) in zip(self.rope, self.rope_specs):
                 cos[a:b], sin[a:b] = rotary(self.cfg, theta, factors, a, b - a, attn, self.dtype, self.device)
             self.rope_rows = b
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; cos/sin: [T, 1, D] (sin signed, see __init__)
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor,
@@ -321,8 +317,8 @@ class Llama:
         for li, ly in enumerate(self.layers):
             h = F.rms_norm(x, (c.dim,), ly.attn_norm, c.norm_eps)
             if ly.mla is not None:       # latent rows as one K/V head, expanded after attention
-                q, k, v = ly.mla.project(h, lin, mm, *ropes[ly.rope])
-                att = ly.mla.expand(attend(li, ly, q, k, v), mm)
+                q, k, v = ly.mla.project(h, lin, *ropes[ly.rope])
+                att = ly.mla.expand(attend(li, ly, q, k, v), lin)
             else:
                 qkv = lin(ly.wqkv, h)                                # [T, (H+2KV)*D]
                 if ly.bqkv is not None:
@@ -330,7 +326,7 @@ class Llama:
                 qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)
                 if ly.qk_norm is not None:   # RMSNorm over each head of q and k (row-wise: exact mode holds)
                     qk = F.rms_norm(qk, (D,), None, c.norm_eps) * ly.qk_norm
-                qk = self._rope(qk, *ropes[ly.rope])                 # q and k at once
+                qk = rotate(qk, *ropes[ly.rope])                     # q and k at once
                 q = qk[:, :H] if qs is None else qk[:, :H] * qs
                 att = attend(li, ly, q, qk[:, H:], qkv[:, (H + KV) * D:])
             o = lin(ly.wo, att)                                      # [T, dim]

@@ -171,6 +171,11 @@ def rotary(c, theta: float, factors, start: int, n: int, attn_factor: float, dty
             torch.cat([-sin, sin], dim=-1).to(device, dtype))
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] rotated by rotary's half-split tables (sin carries rotate-half's sign)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
 def specs(c, max_context: int) -> tuple[list[tuple[float, tuple, float]], bool]:
     """(the rotary tables a model of ModelConfig c needs, as (theta, divisors, attention
     factor) each; whether LongRoPE's long factors were taken). The first table is the global

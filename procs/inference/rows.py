@@ -55,9 +55,8 @@ def mla_rows(cfg: ModelConfig) -> dict[str, tuple[int, torch.Tensor]]:
     R = cfg.rope_dims
     tail = torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2)])
     q, kv = cfg.qk_nope + R, cfg.kv_lora + R
-    return {"wq": (q, torch.cat([torch.arange(q - R), q - R + tail])),
-            "wq_b": (q, torch.cat([torch.arange(q - R), q - R + tail])),
-            "wkv_a": (kv, torch.cat([torch.arange(kv - R), kv - R + tail]))}
+    query = (q, torch.cat([torch.arange(q - R), q - R + tail]))
+    return {"wq": query, "wq_b": query, "wkv_a": (kv, torch.cat([torch.arange(kv - R), kv - R + tail]))}
 
 
 def grouped_rows(t: torch.Tensor, group: int, order: torch.Tensor) -> torch.Tensor:

@@ -13,17 +13,14 @@ import torch
 
 from procs.inference import archs
 from procs.inference.archs import ModelLoadError, gguf_glm4moe, hf_glm4moe
-from procs.inference.kvsession import KVSession
 from procs.inference.loader import load
-from procs.inference.model import Llama
-from tests.procs.inference.tiny_models import MAX_POS, PROMPT, _prompt, build  # noqa: F401
+from tests.procs.inference.tiny_models import build, last_logits  # noqa: F401
 
 NAME = "glm4moe"
 
 
 def _last_logits(w, name: str = NAME) -> torch.Tensor:
-    s = KVSession(Llama(w, MAX_POS), MAX_POS, 64)
-    return s.prefill(_prompt(name), logits_at=[PROMPT])[PROMPT]
+    return last_logits(w, name)
 
 
 @pytest.mark.parametrize("change", ["score_bias", "scale", "groups", "shared", "dense", "rope_dims", "bq", "q_norm"])

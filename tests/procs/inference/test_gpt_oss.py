@@ -15,20 +15,17 @@ import torch
 
 from procs.inference.archs import hf_gpt_oss
 from procs.inference.gguf_tensors import mxfp4_rows
-from procs.inference.kvsession import KVSession
 from procs.inference.hf_files import read_safetensors
 from procs.inference.loader import load
-from procs.inference.model import Llama
 from procs.inference.torch_attention import causal_mask, sink_attention
-from tests.procs.inference.tiny_models import (LOGIT_TOL, MAX_POS, PROMPT, _prompt, _write_gguf,  # noqa: F401
-                                                      build, gguf)
+from tests.procs.inference.tiny_models import (LOGIT_TOL, _prompt, _write_gguf, build, gguf,  # noqa: F401
+                                               last_logits)
 
 NAME = "gpt_oss"
 
 
 def _last_logits(w) -> torch.Tensor:
-    s = KVSession(Llama(w, MAX_POS), MAX_POS, 64)
-    return s.prefill(_prompt(NAME), logits_at=[PROMPT])[PROMPT]
+    return last_logits(w, NAME)
 
 
 def _zeroed(w, suffix: str):

@@ -18,14 +18,13 @@ from procs.inference.archs import ModelLoadError, gguf_mla, hf_mla
 from procs.inference.kvsession import KVSession
 from procs.inference.loader import load
 from procs.inference.model import Llama
-from tests.procs.inference.tiny_models import MAX_POS, PROMPT, _prompt, build  # noqa: F401
+from tests.procs.inference.tiny_models import MAX_POS, PROMPT, _prompt, build, last_logits  # noqa: F401
 
 NAME = "glm4_moe_lite"
 
 
 def _last_logits(w) -> torch.Tensor:
-    s = KVSession(Llama(w, MAX_POS), MAX_POS, 16)
-    return s.prefill(_prompt(NAME), logits_at=[PROMPT])[PROMPT]
+    return last_logits(w, NAME)
 
 
 def test_the_cache_holds_one_latent_row_per_token(build):

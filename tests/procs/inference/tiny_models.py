@@ -374,6 +374,12 @@ def _prompt(name: str) -> list[int]:
     return torch.randint(0, VOCAB, (PROMPT,), generator=g).tolist()
 
 
+def last_logits(w, name: str) -> torch.Tensor:
+    """Our logits after the prompt of case `name`, from loaded weights w (changed or not)."""
+    s = KVSession(Llama(w, MAX_POS), MAX_POS, 64)
+    return s.prefill(_prompt(name), logits_at=[PROMPT])[PROMPT]
+
+
 _REFERENCES = {}
 
 
