@@ -26,6 +26,17 @@ class Geometry(msgspec.Struct, frozen=True, kw_only=True):
     vocab_size: int
     kv_dtype: int
     windows: tuple[int, ...] = ()
+    # models with linear-attention layers (payload version 3): how many, and per layer the
+    # values of its convolution's inputs (stored in the KV dtype) and of its recurrent state
+    # (f32); n_layers counts the attention layers only, the ones holding K/V rows
+    state_layers: int = 0
+    conv_values: int = 0
+    ssm_values: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of a checkpoint's recurrent states (0 without linear-attention layers)."""
+        return self.state_layers * (self.conv_values * (4 if self.kv_dtype == 0 else 2) + 4 * self.ssm_values)
 
     @property
     def windowed(self) -> bool:

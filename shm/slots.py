@@ -7,7 +7,9 @@
     bytes [0, body_bytes(n)) are exactly the .kv payload between the fingerprint and the
     checksum (docs/kv-format.md section 4), so the persister writes them out as they are.
     Layer l holds its last r_l = rows[l] positions (n - r_l .. n - 1): r_l = n for every
-    layer of a dense model, min(n, W) for a sliding-window layer (common.geometry.rows).
+    layer of a dense model, min(n, W) for a sliding-window layer (common.geometry.rows). A
+    model with linear-attention layers appends their states after the last layer's rows:
+    convolution inputs in the KV dtype, then recurrent states in f32 (Geometry.state_bytes).
 
     FREE --inference copies rows, sends SaveCheckpoint--> BUSY --persister writes the file,
     sends SlotFreed--> FREE
@@ -43,26 +45,28 @@ SEQ_BYTES = 8
 
 
 def body_bytes(n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, esize: int,
-               rows: tuple[int, ...] | None = None) -> int:
-    """Bytes of a body of n tokens; rows: per layer (None: n for each of the layers)."""
+               rows: tuple[int, ...] | None = None, state: int = 0) -> int:
+    """Bytes of a body of n tokens; rows: per layer (None: n for each of the layers); state:
+    the recurrent states' bytes."""
     held = layers * n if rows is None else sum(rows)
-    return 4 * n + 4 * vocab + 2 * held * kv_heads * head_dim * esize
+    return 4 * n + 4 * vocab + 2 * held * kv_heads * head_dim * esize + state
 
 
 def read_body(body, n: int, vocab: int, layers: int, kv_heads: int, head_dim: int, kv_numpy_dtype,
-              rows: tuple[int, ...] | None = None):
+              rows: tuple[int, ...] | None = None, state: int = 0):
     """The reader's side of SlotPool.write: (logits f32[vocab], K, V) as numpy views of a body
-    of exactly body_bytes(n, ..., rows) bytes (ValueError otherwise). K and V: one array
-    [layers, n, KV, D] when rows is None, else lists of per-layer arrays [rows[l], KV, D]."""
+    of exactly body_bytes(n, ..., rows, state) bytes (ValueError otherwise). K and V: one array
+    [layers, n, KV, D] when rows is None, else lists of per-layer arrays [rows[l], KV, D]. The
+    last `state` bytes (the recurrent states) are the caller's: body[len(body) - state:]."""
     import numpy as np
     esize = np.dtype(kv_numpy_dtype).itemsize
-    want = body_bytes(n, vocab, layers, kv_heads, head_dim, esize, rows)
+    want = body_bytes(n, vocab, layers, kv_heads, head_dim, esize, rows, state)
     if rows is not None and len(rows) != layers:
         raise ValueError(f"{len(rows)} row counts for {layers} layers")
     if len(body) != want:
         raise ValueError(f"slot holds {len(body)} bytes, expected {want}")
     logits = np.frombuffer(body[4 * n:4 * n + 4 * vocab], dtype="<f4")
-    kv = np.frombuffer(body[4 * n + 4 * vocab:], dtype=kv_numpy_dtype)
+    kv = np.frombuffer(body[4 * n + 4 * vocab:len(body) - state], dtype=kv_numpy_dtype)
     if rows is None:
         kv = kv.reshape(layers, 2, n, kv_heads, head_dim)
         return logits, kv[:, 0], kv[:, 1]
@@ -96,17 +100,19 @@ class SlotPool:
         return next((i for i in range(len(self.paths)) if i not in self.busy), None)
 
     def write(self, i: int, tokens: list[int], logits, k, v,
-              n: int, seq: int, rows: tuple[int, ...] | None = None) -> int:
+              n: int, seq: int, rows: tuple[int, ...] | None = None, state=None) -> int:
         """Copy the rows a checkpoint of n tokens holds from K/V caches [layers, KV, ctx, D]
         into slot i, marked with seq (> 0); returns the body bytes. rows: per layer, how many
-        of the positions before n (None: all n); layer l copies n - rows[l] .. n - 1."""
+        of the positions before n (None: all n); layer l copies n - rows[l] .. n - 1. state:
+        (convolution inputs, recurrent states) after token n (gdn.Recurrent's tensors), or None."""
         import torch   # here, not at import: the persister maps slots without torch
         assert i not in self.busy and seq > 0
         set_seq(self.maps[i], 0)
         L, KV, _, D = k.shape
         es = k.element_size()
         # the body must end before the sequence mark, or the mark would overwrite its last rows
-        need = body_bytes(n, logits.numel(), L, KV, D, es, rows)
+        extra = 0 if state is None else sum(t.numel() * t.element_size() for t in state)
+        need = body_bytes(n, logits.numel(), L, KV, D, es, rows, extra)
         if need > len(self.maps[i]) - SEQ_BYTES:
             raise ValueError(f"{need} body bytes do not fit a slot of {len(self.maps[i])} bytes")
         buf = torch.frombuffer(self.maps[i], dtype=torch.uint8)
@@ -123,6 +129,9 @@ class SlotPool:
             assert 0 <= r <= n
             view(r * KV * D * es, k.dtype, (r, KV, D)).copy_(k[layer, :, n - r:n].transpose(0, 1))
             view(r * KV * D * es, v.dtype, (r, KV, D)).copy_(v[layer, :, n - r:n].transpose(0, 1))
+        for t in state or ():    # as bytes: the f32 states may follow 2-byte values unaligned
+            nb = t.numel() * t.element_size()
+            view(nb, torch.uint8, (nb,)).copy_(t.contiguous().view(torch.uint8).reshape(-1))
         set_seq(self.maps[i], seq)
         self.busy[i] = seq
         return off

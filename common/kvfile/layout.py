@@ -27,9 +27,12 @@ REASON_NAMES = {0: "unknown", 1: "cold", 2: "continued", 3: "evict", 4: "shutdow
 PAYLOAD_MAGIC = b"DENS"
 # version 1: every layer holds every row; version 2 (models with sliding-window layers): a
 # u32 per layer after the 13 fields says how many rows that layer holds (section 4)
-PAYLOAD_V1, PAYLOAD_V2 = 1, 2
+# version 3 (models with linear-attention layers): 3 u32 after the 13 fields (state layers,
+# convolution values and recurrent-state values per layer), and those states after the K/V rows
+PAYLOAD_V1, PAYLOAD_V2, PAYLOAD_V3 = 1, 2, 3
 PAYLOAD_HEAD_FMT = "<4s12I"                 # 13 u32, the first read as 4 ASCII bytes
 PAYLOAD_HEAD_SIZE = 52
+STATE_HEAD_FMT, STATE_HEAD_SIZE = "<3I", 12
 FINGERPRINT_SIZE = 16
 CHECKSUM_SIZE = 8
 
@@ -94,8 +97,9 @@ def parse_header(buf) -> Header:
 
 def payload_version(g: Geometry) -> int:
     """The payload version a checkpoint of geometry g is written in: 2 only with windowed
-    layers, so dense models keep writing version 1 byte for byte."""
-    return PAYLOAD_V2 if g.windowed else PAYLOAD_V1
+    layers, 3 only with linear-attention layers, so dense models keep writing version 1 byte
+    for byte."""
+    return PAYLOAD_V3 if g.state_layers else PAYLOAD_V2 if g.windowed else PAYLOAD_V1
 
 
 def payload_size(n_tokens: int, g: Geometry, rows: tuple[int, ...] | None = None) -> int:
@@ -107,7 +111,8 @@ def payload_size(n_tokens: int, g: Geometry, rows: tuple[int, ...] | None = None
     table = 0 if rows is None else 4 * len(rows)
     held = g.n_layers * n_tokens if rows is None else sum(rows)
     kv = 2 * held * g.kv_heads * g.head_dim * KV_ITEMSIZE[g.kv_dtype]
-    return (PAYLOAD_HEAD_SIZE + table + FINGERPRINT_SIZE + 4 * n_tokens + 4 * g.vocab_size + kv
+    state = STATE_HEAD_SIZE + g.state_bytes if g.state_layers else 0
+    return (PAYLOAD_HEAD_SIZE + table + state + FINGERPRINT_SIZE + 4 * n_tokens + 4 * g.vocab_size + kv
             + CHECKSUM_SIZE)
 
 
@@ -134,7 +139,7 @@ def geometry_problem(stored: Geometry, n_tokens: int, expected: Geometry,
     n_tokens; the writer's context must not exceed ours (section 7) and the rows must fit our
     capacity. Prefill chunk size and the writer's own capacity do not matter."""
     for f in ("n_layers", "kv_heads", "head_dim", "vocab_size", "kv_dtype", "sliding_window",
-              "compressed_capacity"):
+              "compressed_capacity", "state_layers", "conv_values", "ssm_values"):
         a, b = getattr(stored, f), getattr(expected, f)
         if a != b:
             return "geometry mismatch", f"{f} {a} != {b}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from common.kvfile.layout import (CHECKSUM_SIZE, FINGERPRINT_SIZE, FLAG_KTM, Geometry, HEADER_SIZE, Header, KTM_MAGIC, KTM_MAX_BLOCK, KTM_MAX_ID, KTM_VERSION, KVFileError, KV_ITEMSIZE, KV_NUMPY, OFF_HITS, OFF_LAST_USED, PAYLOAD_HEAD_FMT, PAYLOAD_HEAD_SIZE, PAYLOAD_MAGIC, PAYLOAD_V1, PAYLOAD_V2, REASON_NAMES, TEXT_OFFSET, geometry_problem, is_entry_name, parse_header, payload_size)
+from common.kvfile.layout import (CHECKSUM_SIZE, FINGERPRINT_SIZE, FLAG_KTM, Geometry, HEADER_SIZE, Header, KTM_MAGIC, KTM_MAX_BLOCK, KTM_MAX_ID, KTM_VERSION, KVFileError, KV_ITEMSIZE, KV_NUMPY, OFF_HITS, OFF_LAST_USED, PAYLOAD_HEAD_FMT, PAYLOAD_HEAD_SIZE, PAYLOAD_MAGIC, PAYLOAD_V1, PAYLOAD_V2, PAYLOAD_V3, REASON_NAMES, STATE_HEAD_FMT, STATE_HEAD_SIZE, TEXT_OFFSET, geometry_problem, is_entry_name, parse_header, payload_size)
 
 
 @dataclass
@@ -31,6 +31,11 @@ class Entry:
     checksum: int
     ktm: dict[str, bytes] = field(default_factory=dict)
     rows: tuple[int, ...] = ()  # rows held per layer (version 1: n for every layer)
+    # version 3: the linear-attention layers' states, views of the mmap: convolution inputs
+    # [state layers, conv values] in the KV dtype and recurrent states [state layers, ssm
+    # values] f32; None otherwise
+    conv: np.ndarray | None = None
+    ssm: np.ndarray | None = None
 
     @property
     def sha1(self) -> str:
@@ -68,7 +73,7 @@ def _payload_head(h: Header, read) -> tuple[Geometry, tuple[int, ...] | None, by
     magic, ver, *f = struct.unpack_from(PAYLOAD_HEAD_FMT, read(0, PAYLOAD_HEAD_SIZE), 0)
     if magic != PAYLOAD_MAGIC:
         raise KVFileError("bad payload magic", repr(magic))
-    if ver not in (PAYLOAD_V1, PAYLOAD_V2):
+    if ver not in (PAYLOAD_V1, PAYLOAD_V2, PAYLOAD_V3):
         raise KVFileError("wrong payload version", f"payload version {ver}")
     ctx, chunk, cap, sw, comp, n, layers, heads, hd, vocab, dt = f
     if n != h.n_tokens:
@@ -77,10 +82,15 @@ def _payload_head(h: Header, read) -> tuple[Geometry, tuple[int, ...] | None, by
         raise KVFileError("context mismatch", f"header {h.ctx_size}, payload {ctx}")
     if dt not in KV_ITEMSIZE or n > ctx or n > cap:
         raise KVFileError("bad payload header", f"dtype {dt}, {n} tokens, ctx {ctx}, cap {cap}")
+    state = (0, 0, 0)
+    if ver == PAYLOAD_V3:
+        state = struct.unpack_from(STATE_HEAD_FMT, read(PAYLOAD_HEAD_SIZE, STATE_HEAD_SIZE), 0)
+        if not all(state) or sw:
+            raise KVFileError("bad state fields", f"{state}, sliding window {sw}")
     g = Geometry(ctx_size=ctx, chunk_size=chunk, kv_capacity=cap, sliding_window=sw,
                  compressed_capacity=comp, n_layers=layers, kv_heads=heads, head_dim=hd,
-                 vocab_size=vocab, kv_dtype=dt)
-    off, rows = PAYLOAD_HEAD_SIZE, None
+                 vocab_size=vocab, kv_dtype=dt, state_layers=state[0], conv_values=state[1], ssm_values=state[2])
+    off, rows = PAYLOAD_HEAD_SIZE + (STATE_HEAD_SIZE if ver == PAYLOAD_V3 else 0), None
     if ver == PAYLOAD_V2:
         if off + 4 * layers + FINGERPRINT_SIZE + CHECKSUM_SIZE > h.payload_bytes:
             raise KVFileError("payload size mismatch", f"header {h.payload_bytes}, {layers} layers")
@@ -169,9 +179,16 @@ def read(path_or_bytes, *, expect_geometry: Geometry | None = None,
         kv = np.frombuffer(buf, dtype=dtype, count=g.n_layers * 2 * n * row, offset=off)
         kv = kv.reshape(g.n_layers, 2, n, g.kv_heads, g.head_dim)
         k, v = kv[:, 0], kv[:, 1]
+        off += kv.nbytes
+    conv = ssm = None
+    if g.state_layers:
+        conv = np.frombuffer(buf, dtype=dtype, count=g.state_layers * g.conv_values, offset=off)
+        off += conv.nbytes
+        ssm = np.frombuffer(buf, dtype="<f4", count=g.state_layers * g.ssm_values, offset=off)
+        conv, ssm = conv.reshape(g.state_layers, -1), ssm.reshape(g.state_layers, -1)
     ktm = parse_ktm(buf[end:], ktm_max_ids) if h.flags & FLAG_KTM else {}
     text = bytes(buf[TEXT_OFFSET:p0])
-    return Entry(h, g, fp, text, tokens, logits, k, v, stored, ktm, rows or (n,) * g.n_layers)
+    return Entry(h, g, fp, text, tokens, logits, k, v, stored, ktm, rows or (n,) * g.n_layers, conv, ssm)
 
 
 @dataclass

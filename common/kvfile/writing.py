@@ -7,7 +7,7 @@ import time
 import numpy as np
 import xxhash
 
-from common.kvfile.layout import (FINGERPRINT_SIZE, FLAG_KTM, Geometry, Header, KTM_MAGIC, KTM_MAX_BLOCK, KTM_MAX_ID, KTM_VERSION, KV_BF16, KV_F32, KV_ITEMSIZE, PAYLOAD_HEAD_FMT, PAYLOAD_MAGIC, PAYLOAD_V2, REASON_NAMES, payload_size, payload_version)
+from common.kvfile.layout import (FINGERPRINT_SIZE, FLAG_KTM, Geometry, Header, KTM_MAGIC, KTM_MAX_BLOCK, KTM_MAX_ID, KTM_VERSION, KV_BF16, KV_F32, KV_ITEMSIZE, PAYLOAD_HEAD_FMT, PAYLOAD_MAGIC, PAYLOAD_V2, PAYLOAD_V3, REASON_NAMES, STATE_HEAD_FMT, payload_size, payload_version)
 
 
 def _require(ok, message: str) -> None:
@@ -68,14 +68,17 @@ def pack_ktm(ktm: dict[str, bytes], text: bytes) -> bytes:
 
 def write_parts(text: bytes, tokens, logits, k, v, geometry: Geometry, fingerprint: bytes,
                 quant_bits: int, reason: int, ktm: dict[str, bytes] | None = None,
-                ctx_size: int | None = None, now: int | None = None):
+                ctx_size: int | None = None, now: int | None = None, state=None):
     """Validate everything now, then return an iterator over the file's bytes in order
     (header, text length + text, payload pieces, checksum, KTM) for streaming to a file.
     tokens: ints; logits: float32 [vocab]; k, v in the KV dtype (bf16 as uint16): arrays
     [layers, n, kv_heads, head_dim], per-layer arrays [geometry.rows(n)[l], kv_heads,
     head_dim], or raw bytes of the rows the payload holds. A geometry with windowed layers
-    gives a version 2 payload (per layer its last rows only), else version 1. ctx_size, when given, must equal
-    geometry.ctx_size (the header and payload carry the same value)."""
+    gives a version 2 payload (per layer its last rows only), one with linear-attention
+    layers version 3, whose `state` (bytes: the layers' convolution inputs in the KV dtype,
+    then their recurrent states in f32, geometry.state_bytes in all) follows the K/V rows;
+    else version 1. ctx_size, when given, must equal geometry.ctx_size (the header and
+    payload carry the same value)."""
     g, text = geometry, bytes(text)
     _require(g.kv_dtype in KV_ITEMSIZE, f"unknown KV dtype {g.kv_dtype}")
     _require(ctx_size in (None, g.ctx_size), f"ctx_size {ctx_size} != geometry {g.ctx_size}")
@@ -91,6 +94,9 @@ def write_parts(text: bytes, tokens, logits, k, v, geometry: Geometry, fingerpri
     version, rows = payload_version(g), g.rows(n)
     _require(len(rows) == g.n_layers, f"{len(g.windows)} windows for {g.n_layers} layers")
     kl, vl = _kv_layers(k, g, n, rows, "k"), _kv_layers(v, g, n, rows, "v")
+    _require(not (g.state_layers and g.windowed), "linear-attention and sliding-window layers together")
+    st = memoryview(state if state is not None else b"").cast("B")
+    _require(len(st) == g.state_bytes, f"state of {len(st)} bytes, the geometry says {g.state_bytes}")
     ktm_bytes = pack_ktm(ktm or {}, text)
     now = int(time.time()) if now is None else int(now)
     header = Header(n_tokens=n, payload_bytes=payload_size(n, g), ctx_size=g.ctx_size,
@@ -104,6 +110,8 @@ def write_parts(text: bytes, tokens, logits, k, v, geometry: Geometry, fingerpri
                        g.kv_heads, g.head_dim, g.vocab_size, g.kv_dtype)
     if version == PAYLOAD_V2:
         head += struct.pack(f"<{g.n_layers}I", *rows)
+    if version == PAYLOAD_V3:
+        head += struct.pack(STATE_HEAD_FMT, g.state_layers, g.conv_values, g.ssm_values)
 
     def gen():
         yield header.pack() + struct.pack("<I", len(text)) + text
@@ -111,6 +119,8 @@ def write_parts(text: bytes, tokens, logits, k, v, geometry: Geometry, fingerpri
         pieces = [head + bytes(fingerprint), _bytes_view(toks), _bytes_view(lg)]
         for a, b in zip(kl, vl):
             pieces += [a, b]
+        if len(st):
+            pieces.append(st)
         for p in pieces:
             h.update(p)
             yield p

@@ -321,3 +321,60 @@ def gguf_q_scale(meta: dict, prefix: str, where: str) -> dict:
     if not floor:
         raise ModelLoadError(f"{where}: attention.temperature_scale without rope.scaling.original_context_length")
     return dict(q_scale_beta=beta, q_scale_floor=floor)
+
+
+def hybrid_layers(n_layers: int, interval: int, layer_types=None) -> tuple[bool, ...]:
+    """Qwen3-Next / Qwen3.5: per layer whether it is a Gated DeltaNet (linear attention); every
+    interval-th is full attention unless layer_types says otherwise."""
+    if layer_types is None:
+        return tuple((i + 1) % interval != 0 for i in range(n_layers))
+    return tuple(t == "linear_attention" for t in layer_types)
+
+
+def hf_hybrid(c: dict, head_dim: int, where: str, moe: bool) -> dict:
+    """Qwen3-Next's and Qwen3.5's ModelConfig fields from a config.json (text_config for
+    Qwen3.5), as transformers reads them: RoPE over partial_rotary_factor of each head (0.25
+    when absent; Qwen3.5's mrope sections rotate text positions as plain RoPE), the layer
+    types (full_attention_interval 4 when absent), the DeltaNet's heads, and the experts,
+    their weights renormalized (norm_topk_prob; always for Qwen3.5 MoE)."""
+    rp = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    for k in ("mrope_section", "mrope_interleaved"):
+        rp.pop(k, None)
+    partial = rp.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 0.25
+    out = hf_partial_rope({**c, "rope_parameters": {**rp, "partial_rotary_factor": partial}}, head_dim, where)
+    n = c["num_hidden_layers"]
+    out.update(linear_layers=hybrid_layers(n, int(c.get("full_attention_interval") or 4), c.get("layer_types")),
+               ssm_conv=int(c.get("linear_conv_kernel_dim", 4)), ssm_k_heads=int(c.get("linear_num_key_heads", 16)),
+               ssm_v_heads=int(c.get("linear_num_value_heads", 32)), ssm_k_dim=int(c.get("linear_key_head_dim", 128)),
+               ssm_v_dim=int(c.get("linear_value_head_dim", 128)))
+    if out["ssm_v_heads"] % out["ssm_k_heads"]:
+        raise ModelLoadError(f"{where}: {out['ssm_v_heads']} value heads over {out['ssm_k_heads']} key heads")
+    if moe:
+        out.update({**hf_moe({**c, "norm_topk_prob": c.get("norm_topk_prob", True)}, where)})
+    else:
+        out["ffn_dim"] = int(c["intermediate_size"])
+    return out
+
+
+def gguf_hybrid(meta: dict, prefix: str, where: str, n_layers: int, moe: bool) -> dict:
+    """The same from GGUF metadata, as llama.cpp's qwen3next / qwen35 read it: the DeltaNet's
+    conv_kernel, group_count (key heads), time_step_rank (value heads), state_size (the key
+    head's dims, and the value head's: inner_size / value heads)."""
+    get = lambda k, d=None: meta.get(prefix + k, d)
+    try:
+        nv = int(meta[prefix + "ssm.time_step_rank"])
+        out = dict(linear_layers=hybrid_layers(n_layers, int(get("full_attention_interval", 4))),
+                   ssm_conv=int(meta[prefix + "ssm.conv_kernel"]), ssm_k_heads=int(meta[prefix + "ssm.group_count"]),
+                   ssm_v_heads=nv, ssm_k_dim=int(meta[prefix + "ssm.state_size"]),
+                   ssm_v_dim=int(meta[prefix + "ssm.inner_size"]) // nv)
+        if moe:
+            out.update(ffn_dim=int(meta[prefix + "expert_feed_forward_length"]),
+                       n_experts=int(meta[prefix + "expert_count"]),
+                       n_experts_used=int(meta[prefix + "expert_used_count"]), moe_norm_topk=True)
+        else:
+            out["ffn_dim"] = int(meta[prefix + "feed_forward_length"])
+    except KeyError as e:
+        raise ModelLoadError(f"{where}: missing GGUF field {e}") from None
+    if nv % out["ssm_k_heads"]:
+        raise ModelLoadError(f"{where}: {nv} value heads over {out['ssm_k_heads']} key heads")
+    return out

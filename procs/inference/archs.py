@@ -16,9 +16,9 @@ from dataclasses import dataclass
 # arch_configs.py; re-exported for the loader and tests
 from procs.inference.arch_configs import (GEMMA3_LOCAL_THETA, GEMMA3_SWA_PATTERN,  # noqa: F401
                                           GPT_OSS_SWA_PATTERN, gemma3_layers, gguf_gemma3, gguf_glm4moe,
-                                          gguf_gpt_oss, gguf_mla, gguf_moe, gguf_q_scale, hf_gemma3, hf_glm4moe,
-                                          hf_gpt_oss, hf_mla, hf_moe, hf_partial_rope, hf_phi3, hf_q_scale,
-                                          hf_text_config, nope_layers)
+                                          gguf_gpt_oss, gguf_hybrid, gguf_mla, gguf_moe, gguf_q_scale, hf_gemma3,
+                                          hf_glm4moe, hf_gpt_oss, hf_hybrid, hf_mla, hf_moe, hf_partial_rope, hf_phi3,
+                                          hf_q_scale, hf_text_config, nope_layers)
 from procs.inference.rope import (ModelLoadError, gguf_rope, hf_rope, llama3_factors,  # noqa: F401
                                   longrope_attn, yarn_factors, yarn_mscale)
 
@@ -64,6 +64,16 @@ class Arch:
     mla: bool = False
     q_lora: bool = False
     kv_b_split: bool = False         # kv_b stored as its two parts (llama.cpp's attn_k_b, attn_v_b)
+    # Qwen3-Next / Qwen3.5 (gdn.py): Gated DeltaNet layers where the config says, the others
+    # full attention with an output gate (q_proj's rows per head: query, then gate); the
+    # shared expert's output times a sigmoid gate (shared_gate); the value heads in
+    # llama.cpp's tiled order (ssm_tiled, qwen35); qwen3next's fused projections (ssm_fused:
+    # q|k|v|z grouped per key head in HF's in_proj_qkvz, b|a per key head in in_proj_ba)
+    linear_attn: bool = False
+    attn_gate: bool = False
+    shared_gate: bool = False
+    ssm_tiled: bool = False
+    ssm_fused: bool = False
 
 
 _GEMMA_HF = (("ffn_norm", "pre_feedforward_layernorm.weight"),
@@ -114,6 +124,23 @@ ARCHS["glm4moe"] = ARCHS["glm4_moe"] = Arch(
 ARCHS["deepseek2"] = ARCHS["glm4_moe_lite"] = ARCHS["deepseek_v2"] = ARCHS["deepseek_v3"] = Arch(
     "deepseek2", gguf_permuted_qk=False, moe=True, shared_expert=True, score_bias=True, interleaved_rope=True,
     mla=True)
+# Qwen3-Next (80B-A3B, Qwen3-Coder-Next) and Qwen3.5: three Gated DeltaNet layers of four, the
+# fourth full attention with an output gate, q/k norms and RoPE over the first quarter of each
+# head (NeoX pairs); Gemma's (1 + w) RMSNorm (the GGUF stores w + 1, the DeltaNet's gated norm
+# excepted); Qwen3-Next's and Qwen3.5 MoE's experts behind a softmax router with a gated
+# shared expert, Qwen3.5's dense MLP. Qwen3.5's config.json names the multimodal model
+# (qwen3_5: text_config qwen3_5_text); llama.cpp's qwen35 GGUFs hold its value heads tiled.
+_QWEN_HYBRID = Arch("qwen3next", gguf_permuted_qk=False, qk_norm=True, hf_norm_offset=1.0, partial_rope=True,
+                    linear_attn=True, attn_gate=True, moe=True, shared_expert=True, shared_gate=True,
+                    ssm_fused=True, hf_names=(("w_gate_sh", "mlp.shared_expert.gate_proj.weight"),
+                                              ("w_up_sh", "mlp.shared_expert.up_proj.weight"),
+                                              ("w_down_sh", "mlp.shared_expert.down_proj.weight")),
+                    gguf_names=(("ffn_norm", "post_attention_norm.weight"),))
+ARCHS["qwen3next"] = ARCHS["qwen3_next"] = _QWEN_HYBRID
+ARCHS["qwen35moe"] = ARCHS["qwen3_5_moe"] = ARCHS["qwen3_5_moe_text"] = dataclasses.replace(
+    _QWEN_HYBRID, name="qwen35moe", ssm_tiled=True, ssm_fused=False)
+ARCHS["qwen35"] = ARCHS["qwen3_5"] = ARCHS["qwen3_5_text"] = dataclasses.replace(
+    _QWEN_HYBRID, name="qwen35", ssm_tiled=True, ssm_fused=False, moe=False, shared_expert=False, shared_gate=False)
 # GLM-4 0414 (9B, 32B, Z1): Gemma's sandwich norms (on the attention's and the MLP's outputs),
 # q/k/v biases where attention_bias says so, fused gate_up, RoPE over the first half of each
 # head's dims in adjacent pairs
@@ -181,6 +208,23 @@ LAYER_TENSORS = {
     "w_gate_sh": ("mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"),
     "w_up_sh": ("mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight"),
     "w_down_sh": ("mlp.shared_experts.down_proj.weight", "ffn_down_shexp.weight"),
+    # Qwen3-Next / Qwen3.5 (Arch.linear_attn, attn_gate, shared_gate): the gated query (split
+    # at load into wq and its gate wg), the DeltaNet's projections (qwen3next's fused ones
+    # split at load: fused_rows), convolution, decay (ssm_a = -exp(A_log), as llama.cpp
+    # stores it), gated norm and output, the shared expert's gate
+    "wqg": ("self_attn.q_proj.weight", "attn_q.weight"),
+    "ssm_qkvz": ("linear_attn.in_proj_qkvz.weight", ""),
+    "ssm_ba": ("linear_attn.in_proj_ba.weight", "ssm_ba.weight"),
+    "ssm_qkv": ("linear_attn.in_proj_qkv.weight", "attn_qkv.weight"),
+    "ssm_z": ("linear_attn.in_proj_z.weight", "attn_gate.weight"),
+    "ssm_b": ("linear_attn.in_proj_b.weight", "ssm_beta.weight"),
+    "ssm_alpha": ("linear_attn.in_proj_a.weight", "ssm_alpha.weight"),
+    "ssm_conv": ("linear_attn.conv1d.weight", "ssm_conv1d.weight"),
+    "ssm_a": ("linear_attn.A_log", "ssm_a"),
+    "ssm_dt": ("linear_attn.dt_bias", "ssm_dt.bias"),
+    "ssm_norm": ("linear_attn.norm.weight", "ssm_norm.weight"),
+    "ssm_out": ("linear_attn.out_proj.weight", "ssm_out.weight"),
+    "sh_gate": ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
 }
 # Tensors of the layers that change the math, which an architecture without them must not
 # silently drop (a Llama with attention_bias, say): present but unused is a load error.
@@ -195,12 +239,20 @@ def arch_of(name: str, where: str) -> Arch:
     return ARCHS[name]
 
 
-def layer_names(arch: Arch, dense: bool = False) -> list[str]:
+def layer_names(arch: Arch, dense: bool = False, linear: bool = False, fmt: int = 0) -> list[str]:
     """Our per-layer tensor names this architecture needs, all of them required; dense: a
-    layer with one MLP where the others have experts (GLM-4.5's first layers)."""
+    layer with one MLP where the others have experts (GLM-4.5's first layers); linear: a
+    Gated DeltaNet layer (Arch.linear_attn), whose fused projections differ by format fmt
+    (0: HF, 1: GGUF)."""
     if arch.fused:
         return ["attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"]
     names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm"]
+    if linear:
+        proj = (["ssm_qkvz", "ssm_ba"] if fmt == 0 else ["ssm_qkv", "ssm_z", "ssm_ba"]) if arch.ssm_fused \
+            else ["ssm_qkv", "ssm_z", "ssm_b", "ssm_alpha"]
+        names = ["attn_norm", "ffn_norm"] + proj + ["ssm_conv", "ssm_a", "ssm_dt", "ssm_norm", "ssm_out"]
+    elif arch.attn_gate:
+        names = ["attn_norm", "wqg", "wk", "wv", "wo", "ffn_norm"]
     if arch.mla:
         names = ["attn_norm", "wkv_a", "kv_a_norm", "wo", "ffn_norm"] + \
             (["wk_b", "wv_b"] if arch.kv_b_split else ["wkv_b"]) + \
@@ -212,6 +264,8 @@ def layer_names(arch: Arch, dense: bool = False) -> list[str]:
         names += ["w_gate_sh", "w_up_sh", "w_down_sh"]
     if experts and arch.score_bias:
         names += ["router_sb"]
+    if experts and arch.shared_gate:
+        names += ["sh_gate"]
     if arch.qkv_bias:
         names += ["bq", "bk", "bv"]
     if arch.o_bias:
@@ -220,19 +274,37 @@ def layer_names(arch: Arch, dense: bool = False) -> list[str]:
         names += ["sinks"]
     if arch.expert_bias:
         names += ["router_b", "gate_exps_b", "up_exps_b", "down_exps_b"]
-    if arch.qk_norm:
+    if arch.qk_norm and not linear:
         names += ["q_norm", "k_norm"]
     if arch.post_norms:
         names += ["post_attn_norm", "post_ffn_norm"]
     return names
 
 
-def fused_rows(n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int) -> dict[str, list[tuple[str, int, int]]]:
-    """A fused tensor's parts: (our name, first row, end row), as transformers' Phi3 splits
-    them (q, k, v; gate, then up)."""
-    q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    return {"wqkv": [("wq", 0, q), ("wk", q, q + kv), ("wv", q + kv, q + 2 * kv)],
-            "w_gate_up": [("w_gate", 0, ffn_dim), ("w_up", ffn_dim, 2 * ffn_dim)]}
+def fused_rows(cfg) -> dict[str, tuple[list[int] | None, list[tuple[str, int, int]]]]:
+    """Each fused tensor's parts: (a row order applied first, or None; then per part our name,
+    first row, end row). Phi-3's as transformers splits them (q, k, v; gate, then up); the
+    gated query of Qwen3-Next / Qwen3.5 (per head: query rows, then gate rows); qwen3next's
+    DeltaNet projections, grouped per key head (q, k, the group's v heads, their z; the
+    group's b, then a)."""
+    H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q, kv, ffn = H * D, KV * D, cfg.ffn_dim
+    out = {"wqkv": (None, [("wq", 0, q), ("wk", q, q + kv), ("wv", q + kv, q + 2 * kv)]),
+           "w_gate_up": (None, [("w_gate", 0, ffn), ("w_up", ffn, 2 * ffn)])}
+    if cfg.linear_layers:
+        out["wqg"] = ([h * 2 * D + j for part in (0, 1) for h in range(H) for j in range(part * D, part * D + D)],
+                      [("wq", 0, q), ("wg", q, 2 * q)])
+        nk, dk, dv = cfg.ssm_k_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
+        r = cfg.ssm_v_heads // nk
+        g = 2 * dk + 2 * r * dv                    # one key head's group of rows
+        spans = [(0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + r * dv), (2 * dk + r * dv, g)]   # q, k, v, z
+        order = [grp * g + j for a, b in spans for grp in range(nk) for j in range(a, b)]
+        qkv = 2 * nk * dk + r * nk * dv
+        out["ssm_qkvz"] = (order, [("ssm_qkv", 0, qkv), ("ssm_z", qkv, qkv + r * nk * dv)])
+        nv = cfg.ssm_v_heads
+        out["ssm_ba"] = ([grp * 2 * r + j for a in (0, r) for grp in range(nk) for j in range(a, a + r)],
+                         [("ssm_b", 0, nv), ("ssm_alpha", nv, 2 * nv)])
+    return out
 
 
 def tensor_name(arch: Arch, ours: str, fmt: int) -> str:
@@ -244,7 +316,8 @@ def tensor_name(arch: Arch, ours: str, fmt: int) -> str:
 def unused_math(arch: Arch, present: set[str], fmt: int) -> list[str]:
     """Per-layer tensors present (suffixes as in LAYER_TENSORS[..][fmt]) that change the math
     but that this architecture would not read."""
-    names = layer_names(arch) + (layer_names(arch, dense=True) if arch.shared_expert else [])
+    names = layer_names(arch, fmt=fmt) + (layer_names(arch, dense=True) if arch.shared_expert else []) + \
+        (layer_names(arch, linear=True, fmt=fmt) if arch.linear_attn else [])
     used = {tensor_name(arch, n, fmt) for n in names}
     known = {v[fmt] for v in LAYER_TENSORS.values()} | MATH_EXTRAS | \
         {v for _, v in (arch.hf_names if fmt == 0 else arch.gguf_names)}

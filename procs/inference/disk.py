@@ -40,10 +40,13 @@ class Disk:
         self.kv_dtype = KV_DTYPES[model.dtype]
         es = torch.empty((), dtype=model.dtype).element_size()
         windows = tuple(c.windows) if any(c.windows) else ()   # all global: a dense model (v1)
+        conv_dim = 2 * c.ssm_k_heads * c.ssm_k_dim + c.ssm_v_heads * c.ssm_v_dim
+        state = dict(state_layers=sum(c.linear_layers), conv_values=conv_dim * (c.ssm_conv - 1),
+                     ssm_values=c.ssm_v_heads * c.ssm_k_dim * c.ssm_v_dim) if c.linear_layers else {}
         self.geometry = kvfile.Geometry(ctx_size=n_ctx, chunk_size=s.chunk_size, kv_capacity=n_ctx,
                                         sliding_window=max(windows, default=0), windows=windows,
-                                        n_layers=c.n_layers, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                                        vocab_size=c.vocab_size, kv_dtype=self.kv_dtype)
+                                        n_layers=c.kv_layers, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                                        vocab_size=c.vocab_size, kv_dtype=self.kv_dtype, **state)
         self.pool = None
         self.handed: dict[int, m.SaveCheckpoint] = {}   # busy slot -> the save it carries
         self.stuck = False       # the persister freed nothing within SLOT_WAIT_S: it may be down
@@ -51,8 +54,8 @@ class Disk:
         self.last_restore_bytes = 0
         if s.kv_disk_dir:
             # per-layer rows only grow with n, so a body of n_ctx tokens is the largest
-            cap = body_bytes(n_ctx, c.vocab_size, c.n_layers, c.n_kv_heads, c.head_dim, es,
-                             self.geometry.rows(n_ctx)) + SEQ_BYTES
+            cap = body_bytes(n_ctx, c.vocab_size, c.kv_layers, c.n_kv_heads, c.head_dim, es,
+                             self.geometry.rows(n_ctx), self.geometry.state_bytes) + SEQ_BYTES
             self.pool = SlotPool(run_dir, 2, cap)
 
     @property
@@ -95,7 +98,8 @@ class Disk:
         if self.pool is None or logits is None or n <= 0 or n > len(sess):
             return False
         if not sess.can_export(n):   # restored windowed rows start after what n needs
-            self.log.info("no checkpoint at %d: the session lacks the window rows before it", n)
+            self.log.info("no checkpoint at %d: the session lacks the window rows before it" if sess.state is None
+                          else "no checkpoint at %d: no recurrent state kept there", n)
             return False
         i = self.pool.free_slot()
         end = time.monotonic() + (0 if self.stuck else SLOT_WAIT_S)
@@ -110,8 +114,9 @@ class Disk:
             return False
         self.seq += 1
         g, c = self.geometry, self.model.cfg
+        st = sess.state_at(n) if sess.state is not None else None
         nbytes = self.pool.write(i, sess.tokens, logits, sess.k, sess.v, n, self.seq,
-                                 g.rows(n) if g.windowed else None)
+                                 g.rows(n) if g.windowed else None, None if st is None else (st.conv, st.ssm))
         msg = self.handed[i] = m.SaveCheckpoint(slot=i, seq=self.seq, slot_path=self.pool.paths[i], nbytes=nbytes,
                                                 tokens=tuple(sess.tokens[:n]), reason=reason, geometry=g,
                                                 quant_bits=c.quant_bits, fingerprint=self.model.fingerprint)
@@ -152,7 +157,8 @@ class Disk:
         tokens = [int(t) for t in e.tokens]
         if any(t >= self.model.cfg.vocab_size for t in tokens):
             raise RestoreError("token id out of range")
-        sess.import_(tokens, torch.from_numpy(np.array(e.logits)), tensor(e.k), tensor(e.v))
-        kv_bytes = sum(a.nbytes for a in [*e.k, *e.v])
+        state = None if e.conv is None else (tensor(e.conv), torch.from_numpy(np.array(e.ssm)))
+        sess.import_(tokens, torch.from_numpy(np.array(e.logits)), tensor(e.k), tensor(e.v), state)
+        kv_bytes = sum(a.nbytes for a in [*e.k, *e.v]) + (0 if e.conv is None else e.conv.nbytes + e.ssm.nbytes)
         self.last_restore_bytes = kv_bytes + e.logits.nbytes + e.tokens.nbytes + len(e.text)
         return len(tokens)

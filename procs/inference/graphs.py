@@ -70,8 +70,8 @@ class GraphDecoder:
     @staticmethod
     def takes(model) -> bool:
         """CUDA, and no step that decides on the host (a mixture of experts picks its experts
-        from the router's values)."""
-        return model.device.type == "cuda" and not model.cfg.n_experts
+        from the router's values; a linear-attention layer's state is not in the graphs' pools)."""
+        return model.device.type == "cuda" and not model.cfg.n_experts and not model.cfg.linear_layers
 
     @property
     def nbytes(self) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from common.policy import common_prefix
+from procs.inference.gdn import Recurrent
 from procs.inference.model import Llama
 from procs.inference.native import ATT_CHUNK
 from procs.inference.pages import advise_huge
@@ -20,6 +21,7 @@ from procs.inference.pages import advise_huge
 # versions compared equal stay equal below every later cut. Unique across sessions, so a
 # dropped session's version never returns.
 _VERSIONS = itertools.count(1)
+MAX_MARKS = 8        # recurrent-state copies a session keeps (KVSession.mark), the latest
 
 
 class KVSession:
@@ -29,7 +31,14 @@ class KVSession:
     prefix. A restored checkpoint of n tokens brings a sliding-window layer only its last
     min(n, W) rows: that layer then holds no rows below its floor n - min(n, W), and the
     session may only be truncated to lengths whose next query sees no key below a floor
-    (can_keep). A truncate to 0 forgets the floors; prefills never move them."""
+    (can_keep). A truncate to 0 forgets the floors; prefills never move them.
+
+    A model with linear-attention layers (gdn.py) holds K/V rows for its attention layers only
+    and a recurrent state for the others, which is the state after the last token and cannot
+    be rewound. Such a session also keeps copies of the state at a few positions (marks: the
+    end of each prompt, where a later turn whose template rewrites the answer diverges, and
+    the positions its checkpoints are taken at; at most MAX_MARKS, the latest), and can be
+    cut to 0, to its length or to a mark (can_keep), and checkpointed there (can_export)."""
 
     def __init__(self, model: Llama, n_ctx: int, chunk: int, exact: bool = False, huge_pages: bool = True):
         """exact: prefill rows are bit-identical however a prompt is split between cache and
@@ -40,17 +49,22 @@ class KVSession:
         self.exact, self.huge_pages = exact, huge_pages
         if n_ctx > model.max_context:
             raise ValueError(f"context {n_ctx} exceeds the rotary table ({model.max_context})")
+        if exact and c.linear_layers:    # its blocked prefill's rows depend on where chunks begin
+            raise ValueError("--deterministic is not supported for models with linear-attention layers "
+                             "(Qwen3-Next, Qwen3.5)")
         self.model, self.n_ctx, self.chunk = model, n_ctx, chunk
         self.max_cap = -(-n_ctx // chunk) * chunk if exact else n_ctx     # exact attention reads whole chunks
         # rows are allocated as the session grows (reserve), so a short conversation kept
         # resident costs its own length, not the whole context
-        shape = (c.n_layers, c.n_kv_heads, 0, c.head_dim)
+        shape = (c.kv_layers, c.n_kv_heads, 0, c.head_dim)
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.tokens: list[int] = []
         self.logits: torch.Tensor | None = None   # float32 [V], after the last token
-        self.windows = list(c.windows) if c.windows else [0] * c.n_layers   # 0: a global layer
-        self.floors = [0] * c.n_layers   # per layer: the first position it holds rows for
+        self.windows = list(c.windows) if c.windows else [0] * c.kv_layers   # 0: a global layer
+        self.floors = [0] * c.kv_layers  # per layer: the first position it holds rows for
+        self.state = Recurrent(c, sum(c.linear_layers), model.dtype, model.device) if c.linear_layers else None
+        self.marks: dict[int, Recurrent] = {}    # position -> the state after its first tokens
         self.version = next(_VERSIONS)
         self.cuts: list[int] = []        # lengths truncated to, in order, since the version began
         # the prompt length of the job whose answer the session ends with (0: unknown): the
@@ -62,8 +76,11 @@ class KVSession:
 
     @property
     def nbytes(self) -> int:
-        """Memory the session's K/V rows take (its capacity, not only its length)."""
-        return 2 * self.k.numel() * self.k.element_size()
+        """Memory the session's K/V rows take (its capacity, not only its length), and its
+        recurrent state."""
+        if self.state is None:
+            return 2 * self.k.numel() * self.k.element_size()
+        return 2 * self.k.numel() * self.k.element_size() + self.state.nbytes * (1 + len(self.marks))
 
     def capacity_for(self, n: int) -> int:
         """The capacity reserve(n) grows to: whole chunks, at least double the current one
@@ -114,6 +131,8 @@ class KVSession:
         self.k[:, :, :n] = src.k[:, :, :n]
         self.v[:, :, :n] = src.v[:, :, :n]
         self.floors = list(src.floors)
+        if self.state is not None:          # can_keep: all of src or one of its marks
+            self.state.copy_(src.state_at(n))
         self.tokens = list(src.tokens[:n])
         self.logits = src.logits.clone() if n == len(src.tokens) and src.logits is not None else None
 
@@ -128,11 +147,15 @@ class KVSession:
         k) of each windowed layer sees keys max(0, k - W + 1) .. k - 1, which that layer must
         hold."""
         k = min(k, len(self.tokens))
+        if self.state is not None:
+            return k in (0, len(self.tokens)) or k in self.marks
         return k == 0 or all(max(0, k - w + 1) >= f for w, f in zip(self.windows, self.floors) if w)
 
     @property
     def keep_from(self) -> int:
         """The shortest prefix > 0 that can_keep (0: every prefix), for the renderer's plan."""
+        if self.state is not None:     # the marks say it (kept_marks)
+            return 0
         return max((f + w - 1 for w, f in zip(self.windows, self.floors) if w and f), default=0)
 
     def rows(self, n: int) -> list[int]:
@@ -140,7 +163,10 @@ class KVSession:
         return [min(n, w) if w else n for w in self.windows]
 
     def can_export(self, n: int) -> bool:
-        """Whether the session holds every row a checkpoint of its first n tokens stores."""
+        """Whether the session holds every row a checkpoint of its first n tokens stores (and
+        the recurrent state there: at its length or a mark)."""
+        if self.state is not None:
+            return n == len(self.tokens) or (0 < n < len(self.tokens) and n in self.marks)
         return 0 <= n <= len(self.tokens) and all(n - r >= f for r, f in zip(self.rows(n), self.floors))
 
     def boundaries(self, start: int, end: int, split_at=()) -> list[int]:
@@ -150,10 +176,44 @@ class KVSession:
         ends.add(end)
         return sorted(ends)
 
+    @property
+    def kept_marks(self) -> tuple[int, ...]:
+        """The positions below its length a session with a recurrent state can be cut to (its
+        marks; () for any other session), for the renderer's plan."""
+        return tuple(sorted(p for p in self.marks if p < len(self.tokens)))
+
+    def state_at(self, n: int) -> Recurrent:
+        """The recurrent state after the first n tokens: the current one or a mark's."""
+        return self.state if n == len(self.tokens) else self.marks[n]
+
+    def mark(self) -> None:
+        """Keep a copy of the recurrent state at the current length (no-op without one)."""
+        n = len(self.tokens)
+        if self.state is None or n == 0:
+            return
+        st = self.marks.pop(n, None) or Recurrent.like(self.state)
+        st.copy_(self.state)
+        self.marks[n] = st                     # the newest last
+        while len(self.marks) > MAX_MARKS:
+            del self.marks[next(iter(self.marks))]
+
+    def rewind(self, k: int) -> None:
+        """Keep the first k tokens whatever can_keep says: cut to the longest prefix it can
+        keep and prefill the tokens from there to k again (a recurrent state's session cut
+        between its marks). The logits are those after token k."""
+        if self.can_keep(k):
+            self.truncate(k)
+            return
+        p = max((m for m in self.marks if m <= k), default=0)
+        redo = self.tokens[p:k]
+        self.truncate(p)
+        self.prefill(redo)
+
     def prefill(self, ids: list[int], logits_at=(), split_at=(), on_chunk=None,
-                _decode: bool = False) -> dict[int, torch.Tensor]:
+                _decode: bool = False, marks=()) -> dict[int, torch.Tensor]:
         """Append ids. Returns {n: logits after the first n tokens} for each n in logits_at
-        within the new span; self.logits is the logits after the last token."""
+        within the new span; self.logits is the logits after the last token. marks: positions
+        whose recurrent state to keep (mark), chunks split there."""
         start = len(self.tokens)
         end = start + len(ids)
         if end > self.n_ctx:
@@ -165,17 +225,20 @@ class KVSession:
         out, lo = {}, start
         dev = self.model.device
         graphs = None if self.exact else self.model.graphs
-        for hi in self.boundaries(start, end, split_at):
+        marks = {p for p in marks if start < p <= end} if self.state is not None else set()
+        for hi in self.boundaries(start, end, set(split_at) | marks):
             need = sorted(n for n in want if lo < n <= hi)
             rows = [n - lo - 1 for n in need]
             logits = graphs.prefill(self, ids[lo - start:hi - start], rows) if graphs is not None else None
             if logits is None:       # torch's ops, or the native kernels
                 chunk_ids = torch.tensor(ids[lo - start:hi - start], dtype=torch.long, device=dev)
                 logits = self.model.forward(chunk_ids, lo, self.k, self.v, rows,
-                                            pad_to=self.chunk if self.exact and not _decode else 0)
+                                            pad_to=self.chunk if self.exact and not _decode else 0, state=self.state)
             for n, row in zip(need, logits):
                 out[n] = row
             self.tokens.extend(ids[lo - start:hi - start])
+            if hi in marks:
+                self.mark()
             lo = hi
             if on_chunk is not None:
                 on_chunk(hi - start, end - start)
@@ -193,9 +256,17 @@ class KVSession:
         Raises ValueError for a k the session cannot keep (can_keep)."""
         if k <= 0:
             self.floors = [0] * len(self.floors)
+            if self.state is not None:
+                self.state.reset()
+                self.marks.clear()
         elif not self.can_keep(k):
-            raise ValueError(f"cannot keep {k} tokens: windowed layers hold no rows below "
-                             f"{self.window_floor}")
+            raise ValueError(f"cannot keep {k} tokens: " + ("a recurrent state is not rewound"
+                             if self.state is not None else f"windowed layers hold no rows below {self.window_floor}"))
+        if self.state is not None and 0 < k < len(self.tokens):   # a mark's state: can_keep
+            self.state.copy_(self.marks[k])
+        if self.state is not None:
+            for p in [p for p in self.marks if p > k]:
+                del self.marks[p]
         if k < len(self.tokens):
             del self.tokens[k:]
             self.logits = None
@@ -208,6 +279,8 @@ class KVSession:
         model without windowed layers, else lists per layer of [rows(n)[l], KV, D] (the
         layer's last rows, positions n - rows .. n - 1)."""
         n = len(self.tokens) if n is None else n
+        if self.state is not None:
+            raise ValueError("a session with a recurrent state is checkpointed through disk.Disk.save")
         if not any(self.windows):
             k = self.k[:, :, :n].transpose(1, 2).contiguous()
             v = self.v[:, :, :n].transpose(1, 2).contiguous()
@@ -219,13 +292,18 @@ class KVSession:
         v = [self.v[i, :, n - r:n].transpose(0, 1).contiguous() for i, r in enumerate(rows)]
         return list(self.tokens[:n]), k, v
 
-    def import_(self, tokens: list[int], logits: torch.Tensor | None, k, v) -> None:
+    def import_(self, tokens: list[int], logits: torch.Tensor | None, k, v, state=None) -> None:
         """Replace the session by a checkpoint: K and V [layers, n, KV, D], or per layer
         [rows, KV, D] holding the layer's last rows (a global layer all n, a windowed one at
-        least min(n, W)). The layers' floors follow from the rows."""
+        least min(n, W)). The layers' floors follow from the rows. state: (convolution
+        inputs, recurrent states) after the n tokens, each [linear layers, values], for a
+        model with linear-attention layers (which also marks n)."""
         n = len(tokens)
         if n > self.n_ctx:
             raise ValueError("checkpoint larger than the context")
+        if (self.state is None) != (state is None) or (state is not None and (
+                state[0].numel() != self.state.conv.numel() or state[1].numel() != self.state.ssm.numel())):
+            raise ValueError("the checkpoint's recurrent state does not fit the model's")
         rows = [x.shape[0] for x in k]
         need = self.rows(n)
         if len(rows) != len(need) or [x.shape[0] for x in v] != rows or \
@@ -243,6 +321,10 @@ class KVSession:
                 self.v[i, :, n - r:n] = v[i].to(self.v.device, self.v.dtype).transpose(0, 1)
         self.floors = [n - r for r in rows]
         self.tokens = list(tokens)
+        if state is not None:
+            self.state.conv.copy_(state[0].reshape(self.state.conv.shape))
+            self.state.ssm.copy_(state[1].reshape(self.state.ssm.shape))
+            self.mark()
         self.logits = None if logits is None else logits.to(self.model.device, torch.float32).clone()
 
 
@@ -331,7 +413,7 @@ def decode_many(sessions: list[KVSession], tokens: list[int], sharing: Sharing |
         share = sharing.plan(sessions) if sharing is not None and model.decoder is not None and len(sessions) > 1 \
             else None
         logits = model.decode_batch(tokens, [len(s) for s in sessions], [(s.k, s.v) for s in sessions],
-                                    exact=sessions[0].exact, share=share)
+                                    exact=sessions[0].exact, share=share, states=[s.state for s in sessions])
     rows = list(logits)
     for s, t, row in zip(sessions, tokens, rows):
         s.tokens.append(t)

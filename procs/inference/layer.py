@@ -6,6 +6,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from procs.inference.gdn import GatedDeltaNet
 from procs.inference.linear import Linear
 from procs.inference.mla import MLA, kv_b_split
 from procs.inference.moe import MoE, swiglu_oai
@@ -28,6 +29,10 @@ class Layer(NamedTuple):
     bo: torch.Tensor | None = None         # gpt-oss: the attention output's bias [dim]
     sinks: torch.Tensor | None = None      # gpt-oss: each head's sink logit, float32 [H]
     mla: MLA | None = None                 # latent attention: its projections (wqkv is its first)
+    kv: int = 0                            # the layer's index into the K/V caches
+    gdn: GatedDeltaNet | None = None       # a Gated DeltaNet in place of attention (wqkv, wo are its)
+    gated: bool = False                    # attention's output times sigmoid(gate rows after q|k|v)
+    sh_gate: torch.Tensor | None = None    # the shared expert's output times sigmoid(h @ sh_gate.T) [1, dim]
 
 
 def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
@@ -51,6 +56,12 @@ def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
     # the dense MLP, or beside the experts the shared one (GLM-4.5)
     mlp = ("w_gate_sh", "w_up_sh", "w_down_sh") if p + "w_gate_sh" in t else \
         (None, None, None) if moe else ("w_gate", "w_up", "w_down")
+    linear = c.linear_layers[:i]
+    gdn = None
+    if p + "ssm_qkv" in t:    # a Gated DeltaNet: its input projections in one Linear
+        gdn = GatedDeltaNet(c, sum(linear), fused("ssm_qkv", "ssm_z", "ssm_b", "ssm_alpha"), t[p + "ssm_conv"],
+                            t[p + "ssm_a"], t[p + "ssm_dt"], t[p + "ssm_norm"], fused("ssm_out"))
+    gated = p + "wg" in t
     mla = None
     if p + "wkv_a" in t:      # the query's first projection and kv_a read the same rows: one Linear
         wa = fused("wq_a" if p + "wq_a" in t else "wq", "wkv_a")
@@ -58,10 +69,11 @@ def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
         mla = MLA(c, wa, t.get(p + "q_a_norm"), fused("wq_b") if p + "wq_b" in t else None, t[p + "kv_a_norm"], *uk_uv)
     return Layer(
         t[p + "attn_norm"],
-        mla.wa if mla else fused("wq", "wk", "wv"),    # [(H+2KV)*D, dim]
+        gdn.w_in if gdn else mla.wa if mla else fused("wq", "wk", "wv", "wg") if gated else fused("wq", "wk", "wv"),
+        # ^ [(H+2KV)*D, dim], the gate's H*D rows after them
         bias,                                          # [(H+2KV)*D] or None
         qkn,                                           # [H+KV, D] or None
-        fused("wo"),
+        gdn.w_out if gdn else fused("wo"),
         t.get(p + "post_attn_norm"),
         t[p + "ffn_norm"],
         fused(*mlp[:2]) if mlp[0] else None,            # [2*ffn, dim]
@@ -73,4 +85,8 @@ def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
         t.get(p + "bo"),
         t[p + "sinks"].float() if p + "sinks" in t else None,
         mla,
+        i - sum(linear),
+        gdn,
+        gated,
+        t.get(p + "sh_gate"),
     )

@@ -58,7 +58,8 @@ class Linear:
             return
         if not packed or w.device.type != "cpu":
             return
-        if parts is not None and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        # torch's int4 packing takes rows in multiples of 16 (a tiny model's may not be)
+        if parts is not None and hasattr(torch, "_weight_int4pack_mm_for_cpu") and parts[0].shape[0] % 16 == 0:
             q, scale, mn = parts                                # [N, K], [N, K/32] x2
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
             # torch's int4 dequant is (q - 8) * scale + zero, ours q * scale + min

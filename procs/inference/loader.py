@@ -22,12 +22,13 @@ from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
                                           q4_parts, q8_parts)
 from procs.inference.hf_files import gpt_oss_experts, read_safetensors, text_tensors
-from procs.inference.rows import ROTATED, grouped_rows, mla_rows, rotary_perm, rotary_rows, split_fused, unpermute
-from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe, gguf_mla,
-                                   gguf_gpt_oss, gguf_moe, gguf_q_scale, gguf_rope, gguf_variant, hf_gemma3,
-                                   hf_glm4moe, hf_gpt_oss, hf_mla, hf_moe, hf_partial_rope, hf_phi3, hf_q_scale,
-                                   hf_rope, hf_text_config, hf_variant, layer_names, nope_layers, tensor_name,
-                                   unused_math)
+from procs.inference.rows import (ROTATED, grouped_rows, mla_rows, rotary_perm, rotary_rows, split_fused,
+                                  tile_v_heads, unpermute)
+from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe, gguf_hybrid,
+                                   gguf_mla, gguf_gpt_oss, gguf_moe, gguf_q_scale, gguf_rope, gguf_variant, hf_gemma3,
+                                   hf_glm4moe, hf_gpt_oss, hf_hybrid, hf_mla, hf_moe, hf_partial_rope, hf_phi3,
+                                   hf_q_scale, hf_rope, hf_text_config, hf_variant, layer_names, nope_layers,
+                                   tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
@@ -95,6 +96,22 @@ class ModelConfig:
     q_lora: int = 0
     qk_nope: int = 0
     v_head_dim: int = 0
+    # Gated DeltaNet (gdn.py; Qwen3-Next, Qwen3.5): per layer whether it is linear attention
+    # (() none), the convolution's width, the key and value heads and their dims, and the
+    # value heads' order (tiled: llama.cpp's qwen35, whose value head h reads key head h % nk;
+    # else grouped, h // (nv / nk)). The other layers attend, and only they hold K/V rows.
+    linear_layers: tuple[bool, ...] = ()
+    ssm_conv: int = 0
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_k_dim: int = 0
+    ssm_v_dim: int = 0
+    ssm_tiled: bool = False
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers that hold K/V rows (all but the linear-attention ones)."""
+        return self.n_layers - sum(self.linear_layers)
 
 
 @dataclass
@@ -174,6 +191,11 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         extra = gguf_mla(m, p, path, arch.score_bias)
         head_dim = extra.pop("head_dim")
         n_layers -= int(m.get(p + "nextn_predict_layers", 0))     # MTP layers, not run
+    elif arch.linear_attn:
+        n_layers -= int(m.get(p + "nextn_predict_layers", 0))     # MTP layers, not run
+        extra = {**gguf_hybrid(m, p, path, n_layers, arch.moe), "rope_dims": rope_dims if rope_dims != head_dim else 0}
+        if arch.ssm_tiled:
+            extra["ssm_tiled"] = True
     elif arch.shared_expert:
         extra = {**gguf_glm4moe(m, p, path), "rope_dims": rope_dims if rope_dims != head_dim else 0}
         n_layers -= int(m.get(p + "nextn_predict_layers", 0))     # MTP layers, not run
@@ -202,14 +224,14 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     _check_unused(arch, g.tensors, r"blk\.\d+\.", 1, path)
     names = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
     for i in range(cfg.n_layers):
-        for ours in layer_names(arch, i < cfg.dense_layers):
+        for ours in layer_names(arch, i < cfg.dense_layers, _linear(cfg, i), fmt=1):
             names[f"blk.{i}.{tensor_name(arch, ours, 1)}"] = f"layers.{i}.{ours}"
     # rows of Q per query head, of K per key/value head, when permuted (no permuted
     # architecture has q/k biases: archs.layer_names)
     permuted = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if arch.gguf_permuted_qk else {}
     perm = rotary_perm(cfg.head_dim, cfg.rope_dims, arch.interleaved_rope) if arch.partial_rope else None
     mla = mla_rows(cfg) if arch.mla else {}      # llama.cpp rotates adjacent pairs: interleaved rows
-    keep_f32 = ("router", "router_sb") if arch.score_bias else ()     # sigmoid routing reads them in f32
+    keep_f32 = ("router", "router_sb") if arch.score_bias else ("ssm_a",)   # sigmoid routing reads them in f32
     tensors, q4, q8, q8p, norms = Lazy(), Lazy(), set(), Lazy(), {}
     for gname, ours in names.items():
         if gname not in g.tensors:
@@ -247,11 +269,12 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             q8.add(ours)
             if info.type_name in EXACT_INT8_TYPES and len(info.shape) == 2:
                 q8p.later(ours, lambda parts=parts: parts(q8_parts))
-    if arch.fused or arch.fused_mlp:
+    if arch.fused or arch.fused_mlp or arch.linear_attn:
         for d in (tensors, q4, q8p):
             split_fused(d, cfg)
-        split = fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim)
-        q8 = {f"{n.rsplit('.', 1)[0]}.{ours}" for n in q8 for ours, _, _ in split.get(n.rsplit(".", 1)[-1], ())} | \
+        split = fused_rows(cfg)
+        q8 = {f"{n.rsplit('.', 1)[0]}.{ours}" for n in q8
+              for ours, _, _ in split.get(n.rsplit(".", 1)[-1], (None, ()))[1]} | \
             {n for n in q8 if n.rsplit(".", 1)[-1] not in split}
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8), q8p)
 
@@ -317,6 +340,10 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
         arch = replace(arch, score_bias=any(k.endswith("e_score_correction_bias") for k in st))
         extra = hf_mla(c, path)
         head_dim = extra.pop("head_dim")
+    elif arch.linear_attn:
+        extra = hf_hybrid(c, head_dim, path, arch.moe)
+        if arch.ssm_tiled:
+            extra["ssm_tiled"] = True
     elif arch.shared_expert:
         extra = hf_glm4moe(c, head_dim, path)
     elif arch.partial_rope:         # GLM-4
@@ -328,7 +355,7 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
             extra["no_rope"] = tuple(not f for f in flags)
         if arch.name == "ministral3":
             extra.update(hf_q_scale(c, path))
-    if arch.name != "gpt-oss" and not arch.shared_expert:
+    if arch.name != "gpt-oss" and not arch.shared_expert and not arch.linear_attn:
         extra.update(hf_moe(c, path) if arch.moe else dict(ffn_dim=c["intermediate_size"]))
     if arch.fused and c.get("sliding_window"):
         extra["windows"] = (int(c["sliding_window"]),) * c["num_hidden_layers"]
@@ -342,7 +369,7 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
     names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
              "lm_head.weight": "lm_head"}
     for i in range(cfg.n_layers):
-        for ours in layer_names(arch, i < cfg.dense_layers):
+        for ours in layer_names(arch, i < cfg.dense_layers, _linear(cfg, i)):
             names[f"model.layers.{i}.{tensor_name(arch, ours, 0)}"] = f"layers.{i}.{ours}"
     tensors, norms = {}, {}
     for hf, ours in names.items():
@@ -354,10 +381,15 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
                 continue
             raise ModelLoadError(f"{path}: missing tensor {missing[0]}")
         w = torch.stack([st[n] for n in hf]) if isinstance(hf, list) else st[hf]
-        if ours.endswith("norm"):   # as a GGUF stores it: Gemma's (1 + w) folded in
-            w = w.float() + arch.hf_norm_offset
+        short = ours.rsplit(".", 1)[-1]
+        if ours.endswith("norm"):   # as a GGUF stores it: Gemma's (1 + w) folded in (not the DeltaNet's)
+            w = w.float() + (arch.hf_norm_offset if short != "ssm_norm" else 0.0)
             norms[ours] = w
-        f32 = arch.score_bias and ours.rsplit(".", 1)[-1] in ("router", "router_sb")   # read in f32
+        elif short == "ssm_a":      # A_log, as llama.cpp's converter stores it: -exp(A_log)
+            w = -w.float().exp()
+        elif short == "ssm_conv":   # [conv_dim, 1, K] -> [conv_dim, K]
+            w = w.reshape(w.shape[0], -1)
+        f32 = (arch.score_bias and short in ("router", "router_sb")) or short == "ssm_a"   # read in f32
         tensors[ours] = w.to(device=device, dtype=torch.float32 if f32 else dtype)
     perm = rotary_perm(cfg.head_dim, cfg.rope_dims, arch.interleaved_rope) if arch.partial_rope else None
     for name in [n for n in tensors if perm is not None and n.rsplit(".", 1)[-1] in ROTATED]:
@@ -365,9 +397,15 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
     mla = mla_rows(cfg) if arch.mla and c.get("rope_interleave", True) else {}
     for name in [n for n in tensors if n.rsplit(".", 1)[-1] in mla]:
         tensors[name] = grouped_rows(tensors[name], *mla[name.rsplit(".", 1)[-1]])
-    if arch.fused or arch.fused_mlp:
+    if arch.fused or arch.fused_mlp or arch.linear_attn:
         split_fused(tensors, cfg)
+    if arch.ssm_tiled:              # Qwen3.5's value heads in llama.cpp's order (ModelConfig.ssm_tiled)
+        tile_v_heads(tensors, cfg)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})
+
+
+def _linear(cfg: ModelConfig, i: int) -> bool:
+    return bool(cfg.linear_layers) and cfg.linear_layers[i]
 
 
 def _check_unused(arch, names, layer_prefix: str, fmt: int, path: str) -> None:

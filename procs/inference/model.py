@@ -170,8 +170,9 @@ class Llama:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor,
-                rows: list[int], pad_to: int = 0) -> torch.Tensor:
-        """Run tokens ids[T] at absolute positions pos..pos+T-1, writing K/V into the caches.
+                rows: list[int], pad_to: int = 0, state=None) -> torch.Tensor:
+        """Run tokens ids[T] at absolute positions pos..pos+T-1, writing K/V into the caches
+        (and, for linear-attention layers, advancing the sequence's gdn.Recurrent state).
 
         Returns float32 logits [len(rows), V] for the given row indices into ids (0..T-1).
         pad_to > 0 (exact mode): every row is computed by the same kernels whatever T and pos
@@ -253,12 +254,13 @@ class Llama:
                 o = F.scaled_dot_product_attention(qh, kc[li:li + 1, :, ks:S], vc[li:li + 1, :, ks:S],
                                                    attn_mask=mask, enable_gqa=True, scale=self.scale)
             return o[0].transpose(0, 1).reshape(T, H * D)
-        x = self._blocks(x, ropes, lin, mm, attend, self.q_scales(slice(pos, S)))
+        x = self._blocks(x, ropes, lin, mm, attend, self.q_scales(slice(pos, S)),
+                         lambda ly, h: ly.gdn(h, lin, [(0, T, pos, state)]))
         return self._head(x, rows, pad_to)
 
     @torch.inference_mode()
     def decode_batch(self, ids: list[int], pos: list[int], caches: list, exact: bool = False,
-                     share=None) -> torch.Tensor:
+                     share=None, states: list | None = None) -> torch.Tensor:
         """One token for each of B sequences in one step: ids[b] at position pos[b] of the
         sequence whose caches are caches[b] = (kc, vc). Returns float32 logits [B, V]. The
         linears take all B rows at once (one read of each weight); K/V writes and attention
@@ -269,9 +271,10 @@ class Llama:
         read once by the native decoder; the other paths ignore it). On CUDA,
         kvsession.decode_many replays graphs.GraphDecoder's graphs instead, where it can."""
         B = len(ids)
+        states = states or [None] * B
         if B == 1 or (exact and self.decoder is None):
-            return torch.cat([self.forward(torch.tensor([t], device=self.device), p, kc, vc, [0])
-                              for t, p, (kc, vc) in zip(ids, pos, caches)])
+            return torch.cat([self.forward(torch.tensor([t], device=self.device), p, kc, vc, [0], state=st)
+                              for t, p, (kc, vc), st in zip(ids, pos, caches, states)])
         if self.decoder is not None:
             return self.decoder.batch(torch.tensor(ids, device=self.device), pos, caches, share)
         c = self.cfg
@@ -299,7 +302,9 @@ class Llama:
                                                        vc[li:li + 1, :, ks:p + 1], enable_gqa=True, scale=self.scale)
                     out.append(o.reshape(1, H * D))
             return torch.cat(out)                                              # [B, H*D]
-        x = self._blocks(x, ropes, lambda f, h: f(h), dense, attend, self.q_scales(at))
+        lin = lambda f, h: f(h)
+        x = self._blocks(x, ropes, lin, dense, attend, self.q_scales(at),
+                         lambda ly, h: ly.gdn(h, lin, [(b, 1, p, st) for b, (p, st) in enumerate(zip(pos, states))]))
         return self._head(x, list(range(B)), 0)
 
     def q_scales(self, at) -> torch.Tensor | None:
@@ -307,18 +312,22 @@ class Llama:
         the compute dtype (transformers rounds it so), or None where it is 1 everywhere."""
         return None if self.q_scale is None else self.q_scale[at].to(self.dtype).view(-1, 1, 1)
 
-    def _blocks(self, x: torch.Tensor, ropes, lin, mm, attend, qs: torch.Tensor | None = None) -> torch.Tensor:
+    def _blocks(self, x: torch.Tensor, ropes, lin, mm, attend, qs: torch.Tensor | None = None,
+                mix=None) -> torch.Tensor:
         """Every layer on the rows x [T, dim]: lin(Linear, h) and mm(h, w) are the linears
-        (exact mode pads them), attend(li, layer, q, k, v) stores K/V and returns [T, H*D];
-        qs: the rows' query scales (q_scales)."""
+        (exact mode pads them), attend(kv, layer, q, k, v) stores K/V in cache layer kv and
+        returns [T, H*D]; qs: the rows' query scales (q_scales); mix(layer, h): a Gated
+        DeltaNet layer's [T, nv*dv] (gdn.py), its sequences' states advanced."""
         c = self.cfg
         T = x.shape[0]
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
-        for li, ly in enumerate(self.layers):
+        for ly in self.layers:
             h = F.rms_norm(x, (c.dim,), ly.attn_norm, c.norm_eps)
-            if ly.mla is not None:       # latent rows as one K/V head, expanded after attention
+            if ly.gdn is not None:
+                att = mix(ly, h)
+            elif ly.mla is not None:     # latent rows as one K/V head, expanded after attention
                 q, k, v = ly.mla.project(h, lin, *ropes[ly.rope])
-                att = ly.mla.expand(attend(li, ly, q, k, v), lin)
+                att = ly.mla.expand(attend(ly.kv, ly, q, k, v), lin)
             else:
                 qkv = lin(ly.wqkv, h)                                # [T, (H+2KV)*D]
                 if ly.bqkv is not None:
@@ -328,7 +337,9 @@ class Llama:
                     qk = F.rms_norm(qk, (D,), None, c.norm_eps) * ly.qk_norm
                 qk = rotate(qk, *ropes[ly.rope])                     # q and k at once
                 q = qk[:, :H] if qs is None else qk[:, :H] * qs
-                att = attend(li, ly, q, qk[:, H:], qkv[:, (H + KV) * D:])
+                att = attend(ly.kv, ly, q, qk[:, H:], qkv[:, (H + KV) * D:(H + 2 * KV) * D])
+                if ly.gated:                                         # Qwen3-Next's output gate
+                    att = att * torch.sigmoid(qkv[:, (H + 2 * KV) * D:])
             o = lin(ly.wo, att)                                      # [T, dim]
             if ly.bo is not None:
                 o = o + ly.bo
@@ -340,6 +351,8 @@ class Llama:
             if ly.wgu is not None:                                   # dense, or the shared expert
                 g, u = lin(ly.wgu, h).chunk(2, dim=-1)               # [T, ffn] each
                 d = lin(ly.wd, self.act(g) * u)
+                if ly.sh_gate is not None:                           # the shared expert's gate
+                    d = d * torch.sigmoid(mm(h, ly.sh_gate))
                 o = d if o is None else o + d
             if ly.post_ffn_norm is not None:
                 o = F.rms_norm(o, (c.dim,), ly.post_ffn_norm, c.norm_eps)

@@ -348,7 +348,7 @@ class Kernels:
     def takes(model) -> bool:
         c = model.cfg
         return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32)
-                and not c.n_experts and not c.kv_lora and c.head_dim <= 256 and c.n_heads % c.n_kv_heads == 0
+                and not c.n_experts and not c.kv_lora and not c.linear_layers and c.head_dim <= 256 and c.n_heads % c.n_kv_heads == 0
                 and DecodeAttention.takes(c.n_heads // c.n_kv_heads, c.head_dim))
 
     def decoder(self, model) -> Decoder | None:

@@ -75,13 +75,17 @@ def split_fused(d: dict, cfg: ModelConfig) -> None:
         one = lambda t: t[a:b].clone() if perm is None or ours not in ("wq", "wk") else \
             rotary_rows(t[a:b], cfg.head_dim, perm)
         return one(v) if isinstance(v, torch.Tensor) else tuple(one(t) for t in v)
-    for fused, parts in fused_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim).items():
+
+    def reorder(v, order):
+        return v if order is None else v[order] if isinstance(v, torch.Tensor) else tuple(t[order] for t in v)
+    for fused, (order, parts) in fused_rows(cfg).items():
+        order = None if order is None else torch.tensor(order)
         for i in range(cfg.n_layers):
             name = f"layers.{i}.{fused}"
             if name not in d:
                 continue
             if not isinstance(d, Lazy):
-                v = d.pop(name)
+                v = reorder(d.pop(name), order)
                 for ours, a, b in parts:
                     d[f"layers.{i}.{ours}"] = rows(v, a, b, ours)
                 continue
@@ -89,9 +93,9 @@ def split_fused(d: dict, cfg: ModelConfig) -> None:
             made = dict.pop(d, name)
             state = {"make": make or (lambda made=made: made), "value": None, "left": len(parts)}
 
-            def part(a, b, ours, state=state):
+            def part(a, b, ours, state=state, order=order):
                 if state["value"] is None:
-                    state["value"] = state["make"]()
+                    state["value"] = reorder(state["make"](), order)
                 out = rows(state["value"], a, b, ours)
                 state["left"] -= 1
                 if not state["left"]:
@@ -99,3 +103,24 @@ def split_fused(d: dict, cfg: ModelConfig) -> None:
                 return out
             for ours, a, b in parts:
                 d.later(f"layers.{i}.{ours}", lambda a=a, b=b, ours=ours, part=part: part(a, b, ours))
+
+
+def tile_v_heads(t: dict, cfg: ModelConfig) -> None:
+    """A Hugging Face Qwen3.5's DeltaNet tensors with the value heads in llama.cpp's tiled
+    order (new head j * nk + g is old head g * r + j, r = nv / nk), so that value head h reads
+    key head h % nk as in its GGUFs: the value rows of the projection and of the
+    convolution, z, b, a, the decay and dt per head, the output's input columns."""
+    nk, nv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
+    r = nv // nk
+    heads = torch.tensor([g * r + j for j in range(r) for g in range(nk)])
+    per = lambda d: (heads[:, None] * d + torch.arange(d)).reshape(-1)        # rows of d per head
+    key = 2 * nk * dk
+    with_v = torch.cat([torch.arange(key), key + per(dv)])
+    for i, lin in enumerate(cfg.linear_layers):
+        if not lin:
+            continue
+        p = f"layers.{i}."
+        for name, order in (("ssm_qkv", with_v), ("ssm_conv", with_v), ("ssm_z", per(dv)), ("ssm_b", heads),
+                            ("ssm_alpha", heads), ("ssm_a", heads), ("ssm_dt", heads)):
+            t[p + name] = t[p + name][order].contiguous()
+        t[p + "ssm_out"] = t[p + "ssm_out"][:, per(dv)].contiguous()

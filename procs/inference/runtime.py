@@ -107,7 +107,7 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     path = resolve(s.model, s.models_path())
     w = load(path, dtype, device)
     c = w.config     # a GGUF's fields, as the renderer reads them from the file (an HF dir's may differ)
-    ctx = context_size(path, s.ctx_size, trained=trained_of(c.max_context, c.n_layers, c.n_kv_heads, c.head_dim)
+    ctx = context_size(path, s.ctx_size, trained=trained_of(c.max_context, c.kv_layers, c.n_kv_heads, c.head_dim)
                        if os.path.isfile(path) else None)
     kernels = native.load() if s.decode_kernels == "native" and device == "cpu" else None
     packed = s.decode_weights == "packed"

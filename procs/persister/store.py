@@ -110,7 +110,8 @@ class Store:
         n = len(save.tokens)
         g = save.geometry
         logits, k, v = slots.read_body(body, n, g.vocab_size, g.n_layers, g.kv_heads, g.head_dim,
-                                       kvfile.KV_NUMPY[g.kv_dtype], g.rows(n) if g.windowed else None)
+                                       kvfile.KV_NUMPY[g.kv_dtype], g.rows(n) if g.windowed else None,
+                                       g.state_bytes)
         size = kvfile.TEXT_OFFSET + len(text) + kvfile.payload_size(n, g)    # KTM aside: small
         if size > self.budget:      # it would be evicted at once (section 8): spare the fsync
             if not self.warned_budget:
@@ -121,7 +122,8 @@ class Store:
                             f"the disk budget of {self.budget} bytes)")
             return None
         parts = kvfile.write_parts(text, save.tokens, logits, k, v, g, save.fingerprint,
-                                   save.quant_bits, save.reason, ktm=ktm or None)
+                                   save.quant_bits, save.reason, ktm=ktm or None,
+                                   state=body[len(body) - g.state_bytes:] if g.state_bytes else None)
         tmp = f"{final}.tmp.{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

@@ -153,7 +153,7 @@ def test_distinct_reasons():
         "dtype": reason_of(blob, expect_geometry=geom(kf.KV_F32)),
         "context": reason_of(blob, expect_geometry=geom(ctx_size=2048, kv_capacity=2048)),
         "payload magic": reason_of(patched(p0, b"DSV4")),
-        "payload version": reason_of(patched(p0 + 4, struct.pack("<I", 3))),
+        "payload version": reason_of(patched(p0 + 4, struct.pack("<I", 4))),
         "token count": reason_of(patched(8, struct.pack("<I", 8))),
         "payload size": reason_of(patched(40, struct.pack("<Q", kf.payload_size(7, g) - 2))),
         "trailing": reason_of(blob + b"x"),
@@ -406,8 +406,10 @@ def test_v2_refusals(tmp_path):
     assert reason_of(patched(p0 + 52, struct.pack("<I", 5))) == "bad layer rows"    # > field 5
     assert reason_of(patched(p0 + 52, struct.pack("<I", 3))) == "payload size mismatch"
     assert reason_of(patched(p0 + 20, struct.pack("<I", 0))) == "bad layer rows"    # v2 needs a window
-    for ver in (0, 3, 0xFFFFFFFF):
+    for ver in (0, 4, 0xFFFFFFFF):
         assert reason_of(patched(p0 + 4, struct.pack("<I", ver))) == "wrong payload version"
+    # version 3 reads its state fields where version 2 has rows, and never with a window
+    assert reason_of(patched(p0 + 4, struct.pack("<I", 3))) == "bad state fields"
     # a short payload table: the row table would run past the payload
     assert reason_of(patched(p0 + 32, struct.pack("<I", 10**6))) == "payload size mismatch"
     with pytest.raises(KVFileError) as ei:     # read_meta (the index) refuses the same way
@@ -435,3 +437,51 @@ def test_geometry_rows_and_messages():
         kf.pack(TEXT, *data(g, 2), geom(windows=WINDOWS, sliding_window=3), FP, 4, kf.COLD)
     assert kf.geometry_problem(g, 9, wgeom(windows=(4, 4, 4)))[0] == "geometry mismatch"
     assert kf.geometry_problem(g, 9, g) is None
+
+
+def sgeom(**kw):
+    """A model with linear-attention layers: 1 attention layer's K/V, 3 layers' states."""
+    return geom(**{"n_layers": 1, "state_layers": 3, "conv_values": 12, "ssm_values": 10, **kw})
+
+
+def states(g, seed=1):
+    rng = np.random.default_rng(seed)
+    conv = rng.integers(0, 2**16, (g.state_layers, g.conv_values), dtype=np.uint16)
+    ssm = rng.standard_normal((g.state_layers, g.ssm_values)).astype(np.float32)
+    return conv, ssm
+
+
+@pytest.mark.parametrize("n", [1, 9])
+def test_v3_round_trip(tmp_path, n):
+    """Version 3: three u32 after the 13 fields (state layers, convolution and recurrent
+    values per layer), the K/V rows of the attention layers, then the states (convolution
+    inputs in the KV dtype, recurrent states in f32), then the checksum."""
+    g = sgeom()
+    assert kf.payload_version(g) == 3 and g.state_bytes == 3 * (12 * 2 + 10 * 4)
+    conv, ssm = states(g)
+    state = conv.tobytes() + ssm.tobytes()
+    blob, (tokens, logits, k, v) = make(g, n=n, state=state)
+    p0 = kf.TEXT_OFFSET + len(TEXT)
+    assert len(blob) == p0 + kf.payload_size(n, g)
+    assert kf.payload_size(n, g) == kf.payload_size(n, geom(n_layers=1)) + 12 + g.state_bytes
+    assert struct.unpack_from("<4s12I", blob, p0)[:2] == (b"DENS", 3)
+    assert struct.unpack_from("<3I", blob, p0 + 52) == (3, 12, 10)
+    assert blob[-8 - len(state):-8] == state
+    for src in (blob, write(tmp_path, blob)):
+        e = kf.read(src, expect_geometry=g, expect_fingerprint=FP)
+        assert np.array_equal(e.conv, conv) and np.array_equal(e.ssm, ssm)
+        assert np.array_equal(e.k, k) and np.array_equal(e.tokens, tokens)
+    assert kf.verify(write(tmp_path, blob)) == []
+    assert kf.read_meta(write(tmp_path, blob)).geometry == g
+
+
+def test_v3_refusals():
+    g = sgeom()
+    conv, ssm = states(g)
+    blob, (tokens, logits, k, v) = make(g, n=5, state=conv.tobytes() + ssm.tobytes())
+    assert reason_of(blob, expect_geometry=sgeom(ssm_values=11)) == "geometry mismatch"
+    assert reason_of(blob, expect_geometry=geom(n_layers=1)) == "geometry mismatch"   # no states
+    with pytest.raises(ValueError, match="state of"):
+        kf.pack(TEXT, tokens, logits, k, v, g, FP, 4, kf.COLD, now=NOW, state=b"short")
+    with pytest.raises(ValueError, match="state of"):        # a dense geometry takes no state
+        kf.pack(TEXT, tokens, logits, k, v, geom(n_layers=1), FP, 4, kf.COLD, now=NOW, state=b"xx")

@@ -52,6 +52,14 @@ MINISTRAL3 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "origin
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 32}
 
+# Gated DeltaNet layers: 2 key heads of 16 dims and 4 value heads of 32 (2 per key head; a
+# value head a whole quant block, as in released models, so that the GGUF's tiled columns of
+# ssm_out quantize as the reference's do)
+HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
+              linear_conv_kernel_dim=4)
+QWEN35_ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+               "mrope_interleaved": True}
+
 CASES = {   # name: (transformers config class, its arguments, GGUF architecture)
     "llama": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False), "llama"),
     "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3, tie_word_embeddings=True), "llama"),
@@ -135,6 +143,22 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, rope_theta=1e6, tie_word_embeddings=True), "smollm3"),
     # Ministral 3 / Devstral Small 2: Llama with YaRN and the query scale
     "ministral3": ("Ministral3Config", dict(rope_parameters=MINISTRAL3, tie_word_embeddings=False), "mistral3"),
+    # Qwen3-Next: layers 0-2 Gated DeltaNet (two key heads, four value heads grouped over
+    # them, convolution of 4), layer 3 full attention with its output gate, q/k norms and a
+    # quarter of each head rotating; (1 + w) norms; two of four experts beside a gated shared one
+    "qwen3_next": ("Qwen3NextConfig", dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=48, shared_expert_intermediate_size=32,
+                                           norm_topk_prob=True, **HYBRID, tie_word_embeddings=False,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                            "partial_rotary_factor": 0.25}), "qwen3next"),
+    # Qwen3.5 (dense) and Qwen3.5 MoE: the same layers, their GGUFs' value heads tiled; text
+    # positions through mrope's sections rotate as plain RoPE
+    "qwen3_5": ("Qwen3_5TextConfig", dict(num_hidden_layers=4, **HYBRID, tie_word_embeddings=True,
+                                          rope_parameters=QWEN35_ROPE), "qwen35"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=48, shared_expert_intermediate_size=32,
+                                                 **HYBRID, tie_word_embeddings=False, rope_parameters=QWEN35_ROPE),
+                    "qwen35moe"),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=8,
                                         query_pre_attn_scalar=HEAD_DIM, tie_word_embeddings=True,
                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -144,7 +168,12 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
 }
 
 # their experts decode with torch's ops (the native decoder declines a mixture of experts)
-MOE = ("qwen3moe", "gpt_oss", "glm4moe", "glm4_moe_lite", "deepseek_v2", "deepseek_v3")
+MOE = ("qwen3moe", "gpt_oss", "glm4moe", "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "qwen3_next", "qwen3_5_moe")
+# (1 + w) RMSNorms: their weights randomized around 0 (the DeltaNet's gated norm is plain w)
+ZERO_NORMS = ("gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+HYBRIDS = ("qwen3next", "qwen35", "qwen35moe")
+# Gated DeltaNet models: torch's ops too (the native decoder declines linear attention)
+LINEAR = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def _hf_model(name: str, **override):
@@ -156,7 +185,7 @@ def _hf_model(name: str, **override):
     with torch.no_grad():   # transformers zeroes biases and sets norms to 1: randomize all
         for pname, p in m.named_parameters():
             if "norm" in pname:   # Gemma scales by (1 + w): 0.3 * randn keeps it near 1 too
-                p.copy_((0 if name == "gemma3" else 1) + 0.3 * torch.randn_like(p))
+                p.copy_((0 if name in ZERO_NORMS and "linear_attn" not in pname else 1) + 0.3 * torch.randn_like(p))
             elif pname.endswith("gate_up_proj"):   # gpt-oss: gates and ups past its clamps (+-7)
                 p.normal_(0.0, 0.6)
             elif pname.endswith("sinks"):          # sinks that take a real share of the softmax
@@ -215,7 +244,7 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None, tokeniz
     w.add_block_count(c.num_hidden_layers + (arch == "glm4moe"))     # GLM's MTP layer counts
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    w.add_feed_forward_length(getattr(c, "intermediate_size", 0) or 0)
     w.add_head_count(c.num_attention_heads)
     mla = arch == "deepseek2"
     if mla:   # the converter's DeepseekV2Model: latent attention as MQA over the cached row
@@ -313,8 +342,8 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None, tokeniz
             state[p + "self_attn.v_b_proj.weight"] = kv_b[:, c.qk_nope_head_dim:].contiguous()
             if p + "mlp.gate.e_score_correction_bias" in state:
                 state[p + "mlp.gate.e_score_correction.bias"] = state.pop(p + "mlp.gate.e_score_correction_bias")
-    if arch in ("qwen3moe", "glm4moe", "deepseek2"):   # the converter's stacked experts: [E, rows, cols], gate and up apart
-        n = c.num_experts if arch == "qwen3moe" else c.n_routed_experts
+    if arch in ("qwen3moe", "glm4moe", "deepseek2", "qwen3next", "qwen35moe"):   # the converter's stacked experts: [E, rows, cols], gate and up apart
+        n = c.num_experts if arch in ("qwen3moe", "qwen3next", "qwen35moe") else c.n_routed_experts
         first = dense if mla else getattr(c, "first_k_dense_replace", 0)
         w.add_expert_count(n)
         w.add_expert_used_count(c.num_experts_per_tok)
@@ -323,6 +352,8 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None, tokeniz
             p = f"model.layers.{i}.mlp.experts."
             state[p + "gate_proj.weight"], state[p + "up_proj.weight"] = state.pop(p + "gate_up_proj").chunk(2, dim=1)
             state[p + "down_proj.weight"] = state.pop(p + "down_proj")
+    if arch in HYBRIDS:
+        _hybrid_tensors(w, c, state, arch)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[{"glm4moe": "GLM4_MOE"}.get(arch, arch.upper().replace("-", "_"))],
                                      c.num_hidden_layers + 1)
     if rp.get("rope_type") == "llama3":
@@ -331,13 +362,15 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None, tokeniz
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         a = t.numpy().astype(np.float32)
-        if gemma and hf_name.endswith("norm.weight"):   # the converter folds Gemma's (1 + w)
-            a = a + 1
+        if (gemma or arch in HYBRIDS) and hf_name.endswith("norm.weight") and "linear_attn" not in hf_name:
+            a = a + 1                                   # the converter folds (1 + w) in
         if arch in ("llama", "smollm3", "mistral3") and ("q_proj" in hf_name or "k_proj" in hf_name):   # LlamaModel's permute
             a = _permute(a, c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads)
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         # weights only: llama.cpp's quantizer keeps biases (gpt-oss's experts' are 2-D) in F32
         q = None if not gname.endswith(".weight") else experts_qtype if a.ndim == 3 else qtype if a.ndim == 2 else None
+        if "ssm_conv1d" in gname:      # llama.cpp keeps the convolution (rows of 4) in F32
+            q = None
         if q is not None:
             w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), q), raw_dtype=q)
         else:
@@ -346,6 +379,43 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None, tokeniz
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _hybrid_tensors(w, c, state: dict, arch: str) -> None:
+    """Qwen3-Next's / Qwen3.5's DeltaNet metadata and tensors as llama.cpp's converter writes
+    them: qwen3next's in_proj_qkvz de-grouped into attn_qkv (q, k, v) and attn_gate (z), b|a
+    as they are; -exp(A_log); the convolution [conv_dim, K]; qwen35's value heads tiled."""
+    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r = nv // nk
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(nk)
+    w.add_ssm_time_step_rank(nv)
+    w.add_ssm_inner_size(nv * dv)
+    w.add_full_attention_interval(4)
+    if arch != "qwen35":
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    tiled = torch.tensor([g * r + j for j in range(r) for g in range(nk)])     # the converter's _reorder_v_heads
+    per = lambda d: (tiled[:, None] * d + torch.arange(d)).reshape(-1)
+    with_v = torch.cat([torch.arange(2 * nk * dk), 2 * nk * dk + per(dv)])
+    for i, kind in enumerate(c.layer_types):
+        p = f"model.layers.{i}.linear_attn."
+        if kind != "linear_attention":
+            continue
+        if arch == "qwen3next":
+            qkvz = state.pop(p + "in_proj_qkvz.weight").view(nk, 2 * dk + 2 * r * dv, -1)
+            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
+            state[p + "in_proj_qkv.weight"] = torch.cat([x.reshape(-1, x.shape[-1]) for x in (q, k, v)])
+            state[p + "in_proj_z.weight"] = z.reshape(-1, z.shape[-1])
+        state[p + "A_log"] = -state.pop(p + "A_log").float().exp()
+        state[p + "dt_proj.bias"] = state.pop(p + "dt_bias")
+        state[p + "conv1d.weight"] = state[p + "conv1d.weight"].squeeze(1)
+        if arch != "qwen3next":
+            for name, order in (("in_proj_qkv.weight", with_v), ("conv1d.weight", with_v), ("in_proj_z.weight", per(dv)),
+                                ("in_proj_b.weight", tiled), ("in_proj_a.weight", tiled), ("A_log", tiled),
+                                ("dt_proj.bias", tiled)):
+                state[p + name] = state[p + name][order]
+            state[p + "out_proj.weight"] = state[p + "out_proj.weight"][:, per(dv)]
 
 
 @pytest.fixture(scope="module")

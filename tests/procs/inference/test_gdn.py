@@ -1,0 +1,130 @@
+"""Gated DeltaNet (procs/inference/gdn.py; Qwen3-Next and Qwen3.5, GGUFs qwen3next, qwen35 and
+qwen35moe) beyond the parity and file-type tests of test_architectures.py and
+test_quant_files.py, whose tiny models (qwen3_next, qwen3_5, qwen3_5_moe) and GGUFs, written
+as llama.cpp's converter writes them, these reuse: the blocked prefill is the recurrence,
+a prompt crossing blocks matches transformers, each part of the math matters, and a session
+holds its state (K/V rows only for the attention layers).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from procs.inference.gdn import BLOCK, delta_block, delta_step
+from procs.inference.kvsession import MAX_MARKS, KVSession
+from procs.inference.loader import load
+from procs.inference.model import Llama
+from tests.procs.inference.tiny_models import LOGIT_TOL, MAX_POS, VOCAB, _prompt, build, last_logits  # noqa: F401
+
+
+def _inputs(H=3, n=BLOCK, dk=8, dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.nn.functional.normalize(torch.randn(H, n, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(H, n, dv, generator=g)
+    decay = -torch.rand(H, n, generator=g) * 0.5            # log decays in (-0.5, 0]
+    beta = torch.rand(H, n, generator=g)
+    S = torch.randn(H, dk, dv, generator=g)
+    return q, k, v, decay, beta, S
+
+
+@pytest.mark.parametrize("n", [1, 7, BLOCK])
+def test_a_block_is_the_recurrence(n):
+    """The closed form over n tokens from a non-zero state gives the recurrence's outputs
+    and final state (f32 rounding only)."""
+    q, k, v, g, beta, S = _inputs(n=n)
+    S1, S2 = S.clone(), S.clone()
+    step = torch.stack([delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S1) for t in range(n)], dim=1)
+    block = delta_block(q, k, v, g, beta, S2)
+    assert (block - step).abs().max() < 1e-4
+    assert (S2 - S1).abs().max() < 1e-4
+    assert S1.abs().max() > 0.1                               # a state that carries something
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_a_prompt_across_blocks_matches_transformers(build, name):
+    """A 150-token prompt prefilled in one call (blocks 0-64, 64-128, 128-150), and the same
+    in chunks of 48 (blocks cut where chunks end), both match transformers' logits."""
+    _, m, hf_dir, _ = build(name)
+    ids = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        ref = m(torch.tensor([ids]), use_cache=False).logits[0].float()
+    model = Llama(load(hf_dir, torch.float32, "cpu"), 256)
+    for chunk in (256, 48):
+        s = KVSession(model, 256, chunk)
+        got = s.prefill(ids, logits_at=range(1, len(ids) + 1))
+        ours = torch.stack([got[n] for n in range(1, len(ids) + 1)])
+        assert (ours - ref).abs().max() < LOGIT_TOL, chunk
+
+
+@pytest.mark.parametrize("change", ["tiled", "gate", "shared_gate", "conv", "decay"])
+def test_each_part_matters(build, change):
+    """Dropping or changing one part moves the last prompt token's logits far past the
+    parity tolerance (10x at least): the value heads' order (grouped read as tiled), the attention's output
+    gate, the shared expert's gate, the convolution's history, the decay."""
+    name = "qwen3_5" if change in ("tiled", "conv", "decay") else "qwen3_next"
+    _, _, hf_dir, _ = build(name)
+    base = last_logits(load(hf_dir, torch.float32, "cpu"), name)
+    w = load(hf_dir, torch.float32, "cpu")
+    for i in range(w.config.n_layers):
+        p = f"layers.{i}."
+        if change == "gate" and p + "wg" in w.tensors:
+            del w.tensors[p + "wg"]
+        if change == "shared_gate" and p + "sh_gate" in w.tensors:
+            del w.tensors[p + "sh_gate"]
+        if change == "conv" and p + "ssm_conv" in w.tensors:   # the current token's weight only
+            w.tensors[p + "ssm_conv"][:, :-1] = 0
+        if change == "decay" and p + "ssm_a" in w.tensors:
+            w.tensors[p + "ssm_a"] = torch.zeros_like(w.tensors[p + "ssm_a"])
+    if change == "tiled":
+        w.config = dataclasses.replace(w.config, ssm_tiled=False)
+    diff = (last_logits(w, name) - base).abs().max().item()
+    print(f"\n[{change}] max logit change {diff:.3g}")
+    assert diff > 10 * LOGIT_TOL
+
+
+def test_the_session_holds_a_state_and_attention_rows_only(build):
+    """K/V rows for the one attention layer of four; a recurrent state for the others. The
+    state is not rewound: the session can be cut to 0, to its length or to a mark (a copy of
+    the state kept where a prefill was asked to), and there it holds what a session of that
+    prefix alone holds; between marks, rewind() prefills from the mark below."""
+    _, _, _, gguf_path = build("qwen3_next")
+    model = Llama(load(gguf_path, torch.float32, "cpu"), MAX_POS)
+    c = model.cfg
+    assert c.linear_layers == (True, True, True, False) and c.kv_layers == 1
+    s = KVSession(model, MAX_POS, 16)
+    ids = _prompt("qwen3_next")
+    n = len(ids)
+    s.prefill(ids, marks=[24])
+    assert s.k.shape[0] == 1 and s.state.ssm.shape == (3, c.ssm_v_heads, c.ssm_k_dim, c.ssm_v_dim)
+    assert s.state.ssm.abs().max() > 0 and s.state.conv.abs().max() > 0
+    assert s.kept_marks == (24,) and s.keep_from == 0
+    assert [s.can_keep(k) for k in (0, 23, 24, 25, n)] == [True, False, True, False, True]
+    assert s.can_export(24) and s.can_export(n) and not s.can_export(30)
+    with pytest.raises(ValueError, match="recurrent state"):
+        s.truncate(30)
+    copy = KVSession(model, MAX_POS, 16)
+    copy.copy_prefix(s, n)
+    assert torch.equal(s.decode(5), copy.decode(5))
+    s.truncate(24)                  # the mark's state: as a session of those 24 tokens alone
+    alone = KVSession(model, MAX_POS, 16)
+    alone.prefill(ids[:24])
+    assert torch.equal(s.state.ssm, alone.state.ssm) and torch.equal(s.state.conv, alone.state.conv)
+    assert torch.equal(s.prefill(ids[24:], logits_at=[n])[n], alone.prefill(ids[24:], logits_at=[n])[n])
+    s.rewind(30)                    # from the mark at 24, 6 tokens again
+    assert len(s) == 30 and (s.logits - KVSession(model, MAX_POS, 16).prefill(ids[:30], logits_at=[30])[30]
+                             ).abs().max() < LOGIT_TOL
+    for k in range(31, 31 + MAX_MARKS + 2):
+        s.decode(ids[k % n])
+        s.mark()
+    assert len(s.marks) == MAX_MARKS and 24 not in s.marks
+    s.truncate(0)
+    assert not s.state.ssm.any() and not s.state.conv.any() and not s.marks
+
+
+def test_deterministic_mode_is_refused(build):
+    _, _, _, gguf_path = build("qwen3_5")
+    model = Llama(load(gguf_path, torch.float32, "cpu"), MAX_POS)
+    with pytest.raises(ValueError, match="deterministic"):
+        KVSession(model, MAX_POS, 16, exact=True)
