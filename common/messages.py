@@ -244,6 +244,9 @@ class JobDone(msgspec.Struct, tag="job_done", frozen=True):
     reason: str                         # stop | length | cancelled
     live: tuple[int, ...]               # the job's session's token ids after this job
     keep_from: int = 0                  # the shortest prefix > 0 it can be cut to (0: any; KVSession.keep_from)
+    # a session with a recurrent state (linear attention): the only prefixes below its length
+    # it can be cut to (KVSession.kept_marks); None: any (within keep_from)
+    marks: tuple[int, ...] | None = None
     session: int = 0                    # the job's session (0: none is resident any more)
     resident: tuple[int, ...] = ()      # every resident session after this job, least recently used first
     answer_from: int = 0                # as LiveSession.answer_from
@@ -288,6 +291,7 @@ class LiveSession(msgspec.Struct, frozen=True):
     # the prompt length of the job whose answer the session ends with (0: unknown); a prompt
     # that keeps that much continues the same conversation, however short
     answer_from: int = 0
+    marks: tuple[int, ...] | None = None   # as JobDone.marks
 
 
 class LiveState(msgspec.Struct, tag="live_state", frozen=True):

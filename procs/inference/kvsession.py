@@ -177,9 +177,11 @@ class KVSession:
         return sorted(ends)
 
     @property
-    def kept_marks(self) -> tuple[int, ...]:
+    def kept_marks(self) -> tuple[int, ...] | None:
         """The positions below its length a session with a recurrent state can be cut to (its
-        marks; () for any other session), for the renderer's plan."""
+        marks; None for any other session), for the renderer's plan."""
+        if self.state is None:
+            return None
         return tuple(sorted(p for p in self.marks if p < len(self.tokens)))
 
     def state_at(self, n: int) -> Recurrent:

@@ -56,9 +56,10 @@ def speculate(w, run, tok: int) -> bool:
     computes). Each row's token is sampled as a decode step would sample it (the grammar's
     mask following the tokens kept before it) and sent; the draft is kept while it equals
     what was sampled, and the first token that differs runs in the next round
-    (Run.pending). False: no draft (decode as usual)."""
+    (Run.pending). False: no draft (decode as usual), always for a session with a recurrent
+    state (a draft's rows past the first that differs cannot be taken back from it)."""
     sess, d = run.sess, run.drafts
-    if w.threads.due:         # the thread count's probe times plain steps of one row
+    if w.threads.due or sess.state is not None:         # the thread count's probe times plain steps of one row
         return False
     room = min(d.most, run.budget - run.n, w.n_ctx - len(sess) - 1)
     draft = d.index.draft(sess.tokens, tok, room)

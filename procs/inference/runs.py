@@ -40,7 +40,7 @@ def cut_to(sess, keep: int) -> None:
     """Keep the session's first `keep` tokens and re-run the last for its logits (a decode row,
     as when generated; a prefill row in exact mode), so it can still be checkpointed."""
     last = sess.tokens[keep - 1]
-    sess.truncate(keep - 1)
+    sess.rewind(keep - 1)           # a recurrent state: from the mark below, prefilled again
     if sess.exact:
         sess.prefill([last])
     else:
@@ -139,7 +139,7 @@ class Runs:
         run.served = tick
         chunk = self.next_chunk(run)
         self.clock += len(chunk)
-        run.got.update(run.sess.prefill(chunk, logits_at=run.want))
+        run.got.update(run.sess.prefill(chunk, logits_at=run.want, marks=run.want))
         self.chunk_done(run)
 
     def prefill_together(self, runs: list[Run], tick: int) -> bool:
@@ -183,6 +183,7 @@ class Runs:
         sess, job = run.sess, run.job
         run.got[len(sess)] = sess.logits
         sess.answer_from = len(sess)
+        sess.mark()      # a recurrent state: the next turn may rewrite the answer (a template's)
         run.t1, run.ready = time.perf_counter(), time.monotonic()
         run.sampler = Sampler(job.sampling, run.ids)
         run.guide = self.guides.start(job.constraint)

@@ -268,7 +268,7 @@ class Worker(Placement, Runs):
         sid = run.sid if run is not None and run.sid in self.sessions.by_id else 0
         return m.JobDone(rid=rid, reason=reason, live=tuple(sess.tokens) if sid else (),
                          keep_from=sess.keep_from if sid else 0, session=sid, resident=tuple(self.sessions.by_id),
-                         answer_from=sess.answer_from if sid else 0)
+                         answer_from=sess.answer_from if sid else 0, marks=sess.kept_marks if sid else None)
 
     def send_back(self, job: m.Job) -> bool:
         """A job planned to keep tokens of a session this process does not hold (the

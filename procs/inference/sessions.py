@@ -92,5 +92,6 @@ class Sessions:
             del self.by_id[sid]
 
     def state(self) -> tuple[m.LiveSession, ...]:
-        return tuple(m.LiveSession(sid=sid, tokens=tuple(s.tokens), keep_from=s.keep_from, answer_from=s.answer_from)
+        return tuple(m.LiveSession(sid=sid, tokens=tuple(s.tokens), keep_from=s.keep_from, answer_from=s.answer_from,
+                                   marks=s.kept_marks)
                      for sid, s in self.by_id.items())

@@ -63,7 +63,8 @@ class Dispatch:
             return self.live
         return {sid: ls if sid not in busy else
                 m.LiveSession(sid=sid, tokens=ls.tokens[:busy[sid]], keep_from=ls.keep_from,
-                              answer_from=ls.answer_from if ls.answer_from <= busy[sid] else 0)
+                              answer_from=ls.answer_from if ls.answer_from <= busy[sid] else 0,
+                              marks=None if ls.marks is None else tuple(x for x in ls.marks if x < busy[sid]))
                 for sid, ls in self.live.items()}
 
     def no_calls(self, sampling: m.SamplingParams) -> m.SamplingParams:

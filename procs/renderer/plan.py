@@ -45,10 +45,13 @@ def best_session(text: TextModel, n_ctx: int, sessions: dict[int, m.LiveSession]
     """(sid, effective ids, tokens kept) of the resident session with the longest usable
     prefix of the prompt; ties go to the hinted session, then the most recently used.
     (0, full, 0) when none has one. A session's keep_from is the shortest prefix it can be
-    cut to (one restored from a windowed checkpoint lacks the rows below it)."""
+    cut to (one restored from a windowed checkpoint lacks the rows below it); one with a
+    recurrent state can be cut only to its marks (or kept whole)."""
     best = (0, full, 0)
     for sid, ls in reversed(sessions.items()):          # most recent first
         ids, reuse = plan_reuse(text, prompt, full, ls.tokens, min_tokens, ls.answer_from)
+        if ls.marks is not None and reuse < len(ls.tokens):
+            reuse = max((x for x in ls.marks if x <= reuse), default=0)
         if len(ids) >= n_ctx or 0 < reuse < ls.keep_from:   # the live-text split can tokenize longer
             continue
         if reuse > best[2] or (reuse and reuse == best[2] and sid == hint):

@@ -309,12 +309,14 @@ class Renderer(Readiness, Answers, Dispatch):
     def mirror(self, sessions) -> None:
         self.live = {ls.sid: ls for ls in sessions}
 
-    def job_session(self, p, sid: int, tokens, keep_from: int, resident, answer_from: int = 0) -> None:
+    def job_session(self, p, sid: int, tokens, keep_from: int, resident, answer_from: int = 0,
+                    marks: tuple[int, ...] | None = None) -> None:
         """After a job: its session's ids, and which sessions are resident (in LRU order)."""
         old = self.live or {}
         if sid:
             old[sid] = m.LiveSession(sid=sid, tokens=tuple(tokens), keep_from=keep_from,
-                                     answer_from=answer_from if answer_from <= len(tokens) else 0)
+                                     answer_from=answer_from if answer_from <= len(tokens) else 0,
+                                     marks=None if marks is None else tuple(x for x in marks if x < len(tokens)))
         self.live = {i: old[i] for i in resident if i in old}
         if sid and p.req.session_hint:
             self.hints[p.req.session_hint] = sid
@@ -375,7 +377,7 @@ class Renderer(Readiness, Answers, Dispatch):
             # a job that ended before hearing its keep (a tool call's end, a stop string's):
             # inference cuts the session when the keep reaches it, before any job sent after now
             live = ev.live[:p.keep] if 0 < p.keep < len(ev.live) else ev.live
-            self.job_session(p, ev.session, live, ev.keep_from, ev.resident, ev.answer_from)
+            self.job_session(p, ev.session, live, ev.keep_from, ev.resident, ev.answer_from, ev.marks)
             del self.running[ev.rid]
             self.dispatch()
         elif isinstance(ev, m.JobError):

@@ -52,6 +52,23 @@ def test_live_prefix_shorter_than_keep_from_is_not_reused(text_model):
     assert (pl.reuse, pl.cached, pl.ids) == (0, 0, full)
 
 
+def test_a_recurrent_session_is_cut_only_to_its_marks(text_model):
+    """A session with a recurrent state (linear attention) keeps a prefix only where it has a
+    mark, or whole: a prompt that diverges at 100 reuses the mark at or below it, none
+    without one; a prompt that extends the whole session keeps all of it."""
+    s, ix, prompt, full = setup(text_model)
+    ix.update(m.IndexSnapshot(entries=(), version=1))
+    live = full[:100] + [7, 7, 7]
+
+    def plan(marks, tokens=live):
+        return plan_job(s, text_model, 8192, ix, {1: m.LiveSession(sid=1, tokens=tuple(tokens), marks=marks)},
+                        4, CHAT, prompt, full)
+    assert plan(None).reuse == 100                       # any prefix: not a recurrent session
+    assert plan((40, 90, 101)).reuse == 90
+    assert plan(()).reuse == 0 and plan((101,)).reuse == 0
+    assert plan((), full[:120]).reuse == 120            # the whole session
+
+
 def test_longer_checkpoint_beats_the_live_session(text_model):
     s, ix, prompt, full = setup(text_model)
     cut = prompt.index(b" w150")

@@ -1,0 +1,79 @@
+"""A model with linear-attention layers served by every process of the Procfile: the tiny
+Qwen3.5 of tests/procs/inference/tiny_models.py (three Gated DeltaNet layers, one gated
+attention layer) with the default model's vocabulary, written as a GGUF the way llama.cpp's
+converter writes one (qwen35). Over HTTP with the openai client. A recurrent state cannot be
+cut back, so a session keeps copies of it (marks) where prompts end and where checkpoints
+are taken; what is asserted is that every reuse lands on one of those, with the reused
+counts the client sees: a new conversation on the same system prompt starts from the mark
+at its end, a turn whose client rewrote the previous answer from the mark at that turn's
+prompt end, and after a restart a turn from the shutdown checkpoint, whose states are on
+disk. Its random weights answer nonsense."""
+from __future__ import annotations
+
+import pytest
+
+from common.config import Settings
+from common.models import resolve
+
+from .server import Server
+
+pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+SYSTEM = "You are a terse assistant. " * 110       # ~660 tokens: past the smallest checkpoint (512)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from tests.procs.inference.tiny_models import _hf_model, _write_gguf
+    default = resolve("", Settings().models_path())
+    vocab = gguf.GGUFReader(default).fields["tokenizer.ggml.tokens"].data
+    tmp = tmp_path_factory.mktemp("hybrid")
+    path = str(tmp / "qwen35-tiny.gguf")
+    _write_gguf(_hf_model("qwen3_5", vocab_size=len(vocab), max_position_embeddings=2048), path, "qwen35",
+                tokenizer_from=default)
+    (tmp / "kv").mkdir()
+    srv = Server(env={"RICORDO_MODEL": path, "RICORDO_CTX_SIZE": "2048", "RICORDO_KV_DISK_DIR": str(tmp / "kv"),
+                      "RICORDO_TRACE": str(tmp / "trace.log")}, name="ricordo-hybrid")
+    with srv:
+        yield srv, tmp / "trace.log"
+
+
+def ask(srv, messages):
+    return srv.client().chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0)
+
+
+def cached(r) -> int:
+    d = r.usage.prompt_tokens_details
+    return (d.cached_tokens or 0) if d else 0
+
+
+def test_reuse_lands_on_marks_live_and_after_a_restart(served):
+    srv, trace = served
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three prime numbers."}]
+    a = ask(srv, first)
+    assert a.choices[0].finish_reason in ("stop", "length") and a.usage.prompt_tokens > 600
+    assert cached(a) == 0
+    # another conversation on the same system prompt: from the mark (and cold checkpoint) at
+    # the end of the system part, a few tokens short of the first prompt
+    other = ask(srv, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a prime?"}])
+    assert 512 <= cached(other) < a.usage.prompt_tokens - 3, (cached(other), a.usage)
+    # the client sends the answer back rewritten (as templates that drop reasoning do): the
+    # session's state after the answer is no use, the mark at its prompt's end is
+    edited = first + [{"role": "assistant", "content": "2, 3 and 5."}, {"role": "user", "content": "And three more."}]
+    b = ask(srv, edited)
+    assert cached(b) == a.usage.prompt_tokens, (cached(b), a.usage)
+    # the next turn extends the whole session (prompt and answer): kept whole, state and all
+    second = edited + [{"role": "assistant", "content": b.choices[0].message.content},
+                       {"role": "user", "content": "Thanks."}]
+    c = ask(srv, second)
+    assert cached(c) >= b.usage.prompt_tokens, (cached(c), b.usage)
+    srv.restart()
+    before = trace.read_text()
+    third = second + [{"role": "assistant", "content": c.choices[0].message.content},
+                      {"role": "user", "content": "Bye."}]
+    d = ask(srv, third)
+    # the shutdown checkpoint (the last turn and its answer, states included) from disk
+    assert cached(d) >= c.usage.prompt_tokens, (cached(d), c.usage)
+    assert "KV cache: hit for sha1=" in trace.read_text()[len(before):]
+    assert srv.running()
