@@ -106,7 +106,10 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     t0 = time.perf_counter()
     path = resolve(s.model, s.models_path())
     w = load(path, dtype, device)
-    c = w.config     # a GGUF's fields, as the renderer reads them from the file (an HF dir's may differ)
+    c = w.config
+    if s.deterministic and c.linear_layers:    # their blocked prefill's rows depend on where chunks begin
+        raise ValueError("--deterministic is not supported for models with linear-attention layers "
+                         "(Qwen3-Next, Qwen3.5)")     # a GGUF's fields, as the renderer reads them from the file (an HF dir's may differ)
     ctx = context_size(path, s.ctx_size, trained=trained_of(c.max_context, c.kv_layers, c.n_kv_heads, c.head_dim)
                        if os.path.isfile(path) else None)
     kernels = native.load() if s.decode_kernels == "native" and device == "cpu" else None

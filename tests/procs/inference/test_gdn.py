@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from procs.inference.gdn import BLOCK, delta_block, delta_step
-from procs.inference.kvsession import MAX_MARKS, KVSession
+from procs.inference.kvsession import MAX_MARKS, KVSession, decode_many
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from tests.procs.inference.tiny_models import LOGIT_TOL, MAX_POS, VOCAB, _prompt, build, last_logits  # noqa: F401
@@ -128,3 +128,54 @@ def test_deterministic_mode_is_refused(build):
     model = Llama(load(gguf_path, torch.float32, "cpu"), MAX_POS)
     with pytest.raises(ValueError, match="deterministic"):
         KVSession(model, MAX_POS, 16, exact=True)
+
+
+def test_batched_decode_equals_each_sequence_alone(build):
+    """Three sessions at different lengths (each its own state) advance in one step of
+    decode_many: each one's logits as it decodes alone, and their states stay their own."""
+    _, _, _, gguf_path = build("qwen3_5_moe")
+    model = Llama(load(gguf_path, torch.float32, "cpu"), MAX_POS)
+    ids = _prompt("qwen3_5_moe")
+    together = [KVSession(model, MAX_POS, 16) for _ in range(3)]
+    alone = [KVSession(model, MAX_POS, 16) for _ in range(3)]
+    for i, (a, b) in enumerate(zip(together, alone)):
+        a.prefill(ids[:20 + 7 * i])
+        b.prefill(ids[:20 + 7 * i])
+    for step in range(4):
+        toks = [int(s.logits.argmax()) for s in together]
+        rows = decode_many(together, toks)
+        for s, t, row in zip(alone, toks, rows):
+            assert (s.decode(t) - row).abs().max() < 1e-4, step
+    assert all(torch.allclose(a.state.ssm, b.state.ssm, atol=1e-5) for a, b in zip(together, alone))
+    assert not torch.allclose(together[0].state.ssm, together[1].state.ssm)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_llama_cpp_reads_the_files_as_we_do(tmp_path, name):
+    """The peer: llama.cpp (llama-cpp-python, the bench extra) runs the same GGUF, written as
+    its converter writes one (qwen3next's split projections, qwen35's tiled value heads and
+    mrope sections, the +1 norms, -exp(A_log)), with the default model's vocabulary, and its
+    logits over a 150-token prompt agree with transformers' and ours."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    gguf = pytest.importorskip("gguf")
+    from common.config import Settings
+    from common.models import resolve
+    from tests.procs.inference.tiny_models import CASES, _hf_model, _write_gguf
+    default = resolve("", Settings().models_path())
+    vocab = len(gguf.GGUFReader(default).fields["tokenizer.ggml.tokens"].data)
+    m = _hf_model(name, vocab_size=vocab, max_position_embeddings=512)
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(m, path, CASES[name][2], tokenizer_from=default)
+    ids = torch.randint(0, vocab, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        ref = m(torch.tensor([ids]), use_cache=False).logits[0].float()
+    s = KVSession(Llama(load(path, torch.float32, "cpu"), 512), 512, 512)
+    got = s.prefill(ids, logits_at=range(1, len(ids) + 1))
+    ours = torch.stack([got[n] for n in range(1, len(ids) + 1)])
+    llm = llama_cpp.Llama(path, n_ctx=512, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(ids)
+    peer = torch.tensor(llm.scores[:len(ids)])
+    print(f"\n[{name}] |logits| max {ref.abs().max():.3g}: ours vs transformers {(ours - ref).abs().max():.3g}, "
+          f"llama.cpp vs transformers {(peer - ref).abs().max():.3g}, ours vs llama.cpp {(ours - peer).abs().max():.3g}")
+    assert (ours - ref).abs().max() < LOGIT_TOL
+    assert (peer - ref).abs().max() < LOGIT_TOL and (ours - peer).abs().max() < LOGIT_TOL

@@ -52,10 +52,10 @@ MINISTRAL3 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "origin
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 32}
 
-# Gated DeltaNet layers: 2 key heads of 16 dims and 4 value heads of 32 (2 per key head; a
-# value head a whole quant block, as in released models, so that the GGUF's tiled columns of
-# ssm_out quantize as the reference's do)
-HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
+# Gated DeltaNet layers: 2 key heads and 4 value heads (2 per key head) of 32 dims (llama.cpp
+# takes one dim for both, ssm.state_size; a value head a whole quant block, as in released
+# models, so that the GGUF's tiled columns of ssm_out quantize as the reference's do)
+HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
               linear_conv_kernel_dim=4)
 QWEN35_ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
                "mrope_interleaved": True}
@@ -395,6 +395,8 @@ def _hybrid_tensors(w, c, state: dict, arch: str) -> None:
     w.add_full_attention_interval(4)
     if arch != "qwen35":
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if arch != "qwen3next":      # Qwen3.5's mrope sections (llama.cpp requires them; text rotates as plain RoPE)
+        w.add_rope_dimension_sections([*c.rope_parameters["mrope_section"], 0])
     tiled = torch.tensor([g * r + j for j in range(r) for g in range(nk)])     # the converter's _reorder_v_heads
     per = lambda d: (tiled[:, None] * d + torch.arange(d)).reshape(-1)
     with_v = torch.cat([torch.arange(2 * nk * dk), 2 * nk * dk + per(dv)])
