@@ -61,11 +61,15 @@ class Recurrent:
 
 def delta_step(q, k, v, g, beta, S):
     """One token: q, k [H, dk], v [H, dv], g, beta [H] (f32); S [H, dk, dv] updated in place.
-    Returns o [H, dv]."""
-    S.mul_(g.exp()[:, None, None])
-    mem = torch.einsum("hkv,hk->hv", S, k)
-    S.add_(k[:, :, None] * ((v - mem) * beta[:, None])[:, None, :])
-    return torch.einsum("hkv,hk->hv", S, q)
+    Returns o [H, dv]. S is read once for both products, before the decay (e = exp(g)):
+    S^T k after it is e S^T k, and o = S'^T q = e S^T q + (k . q) delta; then one in-place
+    pass decays it and one adds k delta^T (the state is MBs: passes over it are the cost)."""
+    e = g.exp()
+    m = torch.bmm(torch.stack([k, q], dim=1), S)                       # [H, 2, dv]
+    delta = (v - e[:, None] * m[:, 0]) * beta[:, None]
+    o = e[:, None] * m[:, 1] + (k * q).sum(-1, keepdim=True) * delta
+    S.mul_(e[:, None, None]).baddbmm_(k[:, :, None], delta[:, None, :])
+    return o
 
 
 def delta_block(q, k, v, g, beta, S):
@@ -107,6 +111,7 @@ class GatedDeltaNet:
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.w_in, self.w_out = w_in, w_out
         self.conv_w = conv.unsqueeze(1).contiguous()                   # [conv_dim, 1, K]
+        self.conv_f32 = conv.float().contiguous()                       # decode's [conv_dim, K]
         self.a, self.dt, self.norm = a.float(), dt, norm
 
     def __call__(self, h: torch.Tensor, lin: Callable, seqs) -> torch.Tensor:
@@ -151,6 +156,10 @@ class GatedDeltaNet:
         state [conv_dim, K - 1] (updated to the last K - 1), f32 [n, conv_dim]."""
         n, K1 = x.shape[0], state.shape[1]
         ext = torch.cat([state, x.t().to(state.dtype)], dim=1)         # [conv_dim, K - 1 + n]
+        if n == 1:     # one output: products and a sum (a convolution call costs 2-3x that)
+            y = (ext.float() * self.conv_f32).sum(1).to(self.conv_w.dtype)
+            state.copy_(ext[:, 1:])
+            return F.silu(y).float().unsqueeze(0)
         y = F.conv1d(ext.unsqueeze(0).to(self.conv_w.dtype), self.conv_w, groups=self.conv_dim)[0]
         state.copy_(ext[:, ext.shape[1] - K1:])
         return F.silu(y).t().float()

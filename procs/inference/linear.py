@@ -93,6 +93,8 @@ class Linear:
         return self.kernels.rows(self.mat, dtype, scratch=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._w is None and x.shape[0] <= PACKED_MAX_ROWS:   # a quantized native copy, decode-sized
+            return self.kernels.mat_mul(self.mat, x).to(x.dtype)
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
             xb = x.to(torch.bfloat16)
             if self.kind == "int4":

@@ -72,13 +72,17 @@ class Llama:
         self.attend = kernels.attention if fits else _decode_attention
         self.prefill_attend = kernels.prefill if native_prefill and fits \
             and kernels.prefill.takes(c.n_heads // c.n_kv_heads, c.head_dim) else None
-        # the native decoder has no attention output bias (gpt-oss's, a Seed-OSS with one)
-        native = kernels is not None and kernels.takes(self) and not any(n.endswith(".bo") for n in t)
-        self.kernels = kernels if native else None
+        # the native decoder has no attention output bias (gpt-oss's, a Seed-OSS with one); a
+        # model it declines (experts, latent or linear attention, sinks) still keeps its
+        # linears packed once, as the kernels pack them, and decodes them with the kernels'
+        # products (Linear.__call__); only the whole step is torch's then
+        packs = kernels is not None and self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
+        native = packs and kernels.takes(self) and not any(n.endswith(".bo") for n in t)
+        self.kernels = kernels if packs else None
         self.layers = []
         q4, q8, q8p = w.q4 or {}, w.q8, w.q8_parts or {}
-        cache = cache if native else None
-        self._output_and_embedding(t, q4, q8, q8p, packed, native, cache)
+        cache = cache if packs else None
+        self._output_and_embedding(t, q4, q8, q8p, packed, packs, cache)
         for i in range(c.n_layers):
             p = f"layers.{i}."
 
@@ -87,7 +91,7 @@ class Llama:
                 mat = cache.get(key) if cache else None
                 if mat is not None:      # the sources are never read (their loads are lazy)
                     return Linear.of(mat, kernels, self.dtype)
-                lin = fuse([p + n for n in names], t, q4, q8, packed, kernels if native else None, q8p)
+                lin = fuse([p + n for n in names], t, q4, q8, packed, kernels if packs else None, q8p)
                 if cache and lin.mat.kind in QUANTIZED:   # a dense one is its source as is
                     cache.put(key, lin.mat)
                 return lin

@@ -310,6 +310,11 @@ class Kernels:
         one.restype = ctypes.c_int
         one.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 2
         self._mat_vec = one
+        mm = lib.mat_mul
+        mm.restype = ctypes.c_int
+        mm.argtypes = [ctypes.POINTER(Mat), ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                       ctypes.c_long]
+        self._mat_mul = mm
         rows = lib.mat_rows
         rows.restype = None
         rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
@@ -334,6 +339,17 @@ class Kernels:
         self._rows(ctypes.byref(m), 0 if idx is None else idx.data_ptr(), n, out.data_ptr(),
                    int(dtype == torch.bfloat16))
         return out
+
+    def mat_mul(self, p: Packed, x: torch.Tensor) -> torch.Tensor:
+        """Y = X W^T for a few rows x [B, K] (f32 [B, N]): the decoder's own product (each
+        weight row read once for all B; int8 activations for int4 and int8 groups), for the
+        linears of a model the whole-step decoder declines (Linear.__call__)."""
+        m = p.mat()
+        xf = x.float().contiguous()
+        y = torch.empty(xf.shape[0], m.n)
+        if self._mat_mul(ctypes.byref(m), xf.shape[0], xf.data_ptr(), m.k, y.data_ptr(), m.n):
+            raise MemoryError("mat_mul: no scratch memory")
+        return y
 
     def mat_vec(self, p: Packed, x: torch.Tensor) -> torch.Tensor:
         """y = W x for one Packed weight (tests and benches of the packing)."""

@@ -32,7 +32,12 @@ EXACT_TOL = 1e-3          # f32 rounding, as the unquantized parity
 # types requantized for decode: their extra rounding against the file's own quantization error
 # (how far the file's values move the logits from the unquantized model's), both as the largest
 # logit difference: measured 0.11-0.29 over the architectures here; a wrong scale or min would
-# be at least the quantization's own size
+# be at least the quantization's own size. A mixture of experts (or a model whose linears are
+# requantized ahead of its experts' router: every model on the CPU, now that the kernels pack
+# the linears of those the whole-step decoder declines) flips a token's choice of experts on
+# such small changes, and a flip moves its logits by a step: 0.47-0.86 of the file's own
+# error measured here (qwen3moe, glm4moe, glm4_moe_lite, deepseek_v2, qwen3_next,
+# qwen3_5_moe), so there the bound is that error itself
 REQUANT_SHARE = 0.4
 # int8 activations (Q8_0, Q4_0, Q4_1 in the native kernels): measured 0.028-0.041 over the
 # architectures here, against 0.2-4.6 for the files' own quantization
@@ -80,8 +85,9 @@ def test_quantized_file_matches_its_dequantized_weights(models, tmp_path, arch, 
     d = (logits - ref_logits).abs().max().item()
     plain = m(torch.tensor([ids]), use_cache=False).logits[0].float().detach()
     d_quant = (plain - ref_logits).abs().max().item()     # what the file's quantization itself moves
-    int8_acts = qtype in INT8_ACTS and model.decoder is not None
-    tol = REQUANT_SHARE * d_quant if qtype in REQUANTIZED else ACT_TOL if int8_acts else EXACT_TOL
+    int8_acts = qtype in INT8_ACTS and model.kernels is not None   # the kernels pack (every model on the CPU)
+    share = 1.0 if arch in MOE else REQUANT_SHARE
+    tol = share * d_quant if qtype in REQUANTIZED else ACT_TOL if int8_acts else EXACT_TOL
     agree = sum(a == b for a, b in zip(toks, ref_toks)) / GREEDY
     print(f"\n[{arch} {qtype.name}] logits vs transformers on the file's values: {d:.3g} (tolerance {tol:.3g}; "
           f"the quantization itself moves them {d_quant:.3g}); greedy tokens equal for {agree:.0%} of {GREEDY}")

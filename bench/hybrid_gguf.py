@@ -1,0 +1,60 @@
+"""A random-weight GGUF of a Qwen3.5-like shape (Gated DeltaNet layers, three of four; the
+default model's vocabulary), written as llama.cpp's converter writes one, for comparing
+ricordo's speed on linear attention with llama.cpp's on the same file (bench/bench_model.py
+--model PATH). Speed does not depend on the values; no released Qwen3.5 is on PyPI.
+
+    .venv/bin/python bench/hybrid_gguf.py OUT.gguf [--layers 24] [--hidden 1024] [--qtype Q8_0] [--moe]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gguf  # noqa: E402
+import torch  # noqa: E402
+
+from common.config import Settings  # noqa: E402
+from common.models import resolve  # noqa: E402
+from tests.procs.inference import tiny_models as tm  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--ffn", type=int, default=3584)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--linear-heads", type=int, default=16, help="key and value heads of the DeltaNet")
+    ap.add_argument("--qtype", default="Q8_0", help="a gguf GGMLQuantizationType name (F16, Q8_0, Q4_0, ...)")
+    ap.add_argument("--moe", action="store_true", help="Qwen3.5 MoE: 64 experts of --ffn/4, 4 chosen, a shared one")
+    a = ap.parse_args()
+    default = resolve("", Settings().models_path())
+    vocab = len(gguf.GGUFReader(default).fields["tokenizer.ggml.tokens"].data)
+    shape = dict(vocab_size=vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+                 num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=256,
+                 max_position_embeddings=32768, linear_num_key_heads=a.linear_heads,
+                 linear_num_value_heads=a.linear_heads, linear_key_head_dim=128, linear_value_head_dim=128,
+                 tie_word_embeddings=True)
+    name = "qwen3_5_moe" if a.moe else "qwen3_5"
+    if a.moe:
+        shape.update(num_experts=64, num_experts_per_tok=4, moe_intermediate_size=a.ffn // 4,
+                     shared_expert_intermediate_size=a.ffn // 4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = tm._hf_model(name, **shape)
+    with torch.no_grad():          # weights of a trained model's scale: activations stay O(1)
+        for pname, p in m.named_parameters():
+            if p.ndim >= 2 and "conv1d" not in pname:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    qtype = getattr(gguf.GGMLQuantizationType, a.qtype)
+    tm._write_gguf(m, a.out, tm.CASES[name][2], qtype=None if a.qtype == "F32" else qtype,
+                   experts_qtype=None if a.qtype == "F32" else qtype, tokenizer_from=default)
+    print(a.out, f"{os.path.getsize(a.out) / 2**20:.0f} MiB", sum(p.numel() for p in m.parameters()) / 1e6, "M params")
+
+
+if __name__ == "__main__":
+    main()
