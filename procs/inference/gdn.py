@@ -130,7 +130,7 @@ class GatedDeltaNet:
             q = _l2(q.view(n, self.nk, self.dk)) * self.dk ** -0.5
             k = _l2(k.view(n, self.nk, self.dk))
             r = self.nv // self.nk
-            q, k = (x.repeat(1, r, 1) if self.tiled else x.repeat_interleave(r, dim=1) for x in (q, k))
+            q, k = (t.repeat(1, r, 1) if self.tiled else t.repeat_interleave(r, dim=1) for t in (q, k))
             v = v.view(n, self.nv, self.dv)
             S = st.ssm[self.slot]
             if n == 1:
@@ -139,7 +139,7 @@ class GatedDeltaNet:
             # blocks end at absolute multiples of BLOCK, as prefill's chunks do
             ends = sorted({*range((pos // BLOCK + 1) * BLOCK, pos + n, BLOCK), pos + n})
             lo = pos
-            qh, kh, vh = (x.transpose(0, 1) for x in (q, k, v))         # [H, n, d]
+            qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))         # [H, n, d]
             gh, bh = g[r0:r0 + n].t(), beta[r0:r0 + n].t()
             for hi in ends:
                 s = slice(lo - pos, hi - pos)
