@@ -12,40 +12,18 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import Settings
-from common.models import resolve
-
-from .server import Server
+from .tiny import ask, cached, tiny_server
 
 pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+pytest.importorskip("gguf")
 
 SYSTEM = "You are a terse assistant. " * 110       # ~660 tokens: past the smallest checkpoint (512)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tests.procs.inference.tiny_models import _hf_model, _write_gguf
-    default = resolve("", Settings().models_path())
-    vocab = gguf.GGUFReader(default).fields["tokenizer.ggml.tokens"].data
-    tmp = tmp_path_factory.mktemp("hybrid")
-    path = str(tmp / "qwen35-tiny.gguf")
-    _write_gguf(_hf_model("qwen3_5", vocab_size=len(vocab), max_position_embeddings=2048), path, "qwen35",
-                tokenizer_from=default)
-    (tmp / "kv").mkdir()
-    srv = Server(env={"RICORDO_MODEL": path, "RICORDO_CTX_SIZE": "2048", "RICORDO_KV_DISK_DIR": str(tmp / "kv"),
-                      "RICORDO_TRACE": str(tmp / "trace.log")}, name="ricordo-hybrid")
-    with srv:
-        yield srv, tmp / "trace.log"
-
-
-def ask(srv, messages):
-    return srv.client().chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0)
-
-
-def cached(r) -> int:
-    d = r.usage.prompt_tokens_details
-    return (d.cached_tokens or 0) if d else 0
+    with tiny_server(tmp_path_factory.mktemp("hybrid"), "qwen3_5", "qwen35", 2048, "ricordo-hybrid") as got:
+        yield got
 
 
 def test_reuse_lands_on_marks_live_and_after_a_restart(served):

@@ -8,38 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import Settings
-from common.models import resolve
-
-from .server import Server
+from .tiny import ask, cached, tiny_server
 
 pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+pytest.importorskip("gguf")
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tests.procs.inference.tiny_models import _hf_model, _write_gguf
-    default = resolve("", Settings().models_path())
-    vocab = gguf.GGUFReader(default).fields["tokenizer.ggml.tokens"].data
-    tmp = tmp_path_factory.mktemp("mla")
-    path = str(tmp / "glm-flash-tiny.gguf")
-    _write_gguf(_hf_model("glm4_moe_lite", vocab_size=len(vocab), max_position_embeddings=1024), path, "deepseek2",
-                tokenizer_from=default)
-    (tmp / "kv").mkdir()
-    srv = Server(env={"RICORDO_MODEL": path, "RICORDO_CTX_SIZE": "1024", "RICORDO_KV_DISK_DIR": str(tmp / "kv"),
-                      "RICORDO_TRACE": str(tmp / "trace.log")}, name="ricordo-mla")
-    with srv:
-        yield srv, tmp / "trace.log"
-
-
-def ask(srv, messages):
-    return srv.client().chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0)
-
-
-def cached(r) -> int:
-    d = r.usage.prompt_tokens_details
-    return (d.cached_tokens or 0) if d else 0
+    with tiny_server(tmp_path_factory.mktemp("mla"), "glm4_moe_lite", "deepseek2", 1024, "ricordo-mla") as got:
+        yield got
 
 
 def test_latent_cache_serves_the_next_turn_live_and_after_a_restart(served):

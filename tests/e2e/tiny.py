@@ -1,0 +1,41 @@
+"""A tiny random-weight model of tests/procs/inference/tiny_models.py with the default model's
+vocabulary and tokenizer, written as a GGUF the way llama.cpp's converter writes one and
+served by every process of the Procfile (its answers are nonsense: what such tests assert is
+what the server does with its cache), and the chat helpers its tests share."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from common.config import Settings
+from common.models import resolve
+
+from .server import Server
+
+
+@contextlib.contextmanager
+def tiny_server(tmp, case: str, arch: str, ctx: int, name: str):
+    """(Server, trace path) of tiny model `case` (GGUF architecture `arch`) at context ctx,
+    with a disk cache and a trace under tmp."""
+    gguf = pytest.importorskip("gguf")
+    from tests.procs.inference.tiny_models import _hf_model, _write_gguf
+    default = resolve("", Settings().models_path())
+    vocab = gguf.GGUFReader(default).fields["tokenizer.ggml.tokens"].data
+    path = str(tmp / f"{case}-tiny.gguf")
+    _write_gguf(_hf_model(case, vocab_size=len(vocab), max_position_embeddings=ctx), path, arch,
+                tokenizer_from=default)
+    (tmp / "kv").mkdir()
+    srv = Server(env={"RICORDO_MODEL": path, "RICORDO_CTX_SIZE": str(ctx), "RICORDO_KV_DISK_DIR": str(tmp / "kv"),
+                      "RICORDO_TRACE": str(tmp / "trace.log")}, name=name)
+    with srv:
+        yield srv, tmp / "trace.log"
+
+
+def ask(srv, messages):
+    return srv.client().chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0)
+
+
+def cached(r) -> int:
+    d = r.usage.prompt_tokens_details
+    return (d.cached_tokens or 0) if d else 0
