@@ -48,6 +48,7 @@ class Cfg:
     def __init__(self, vocab=64):
         self.n_layers, self.n_kv_heads, self.head_dim, self.vocab_size, self.quant_bits = 2, 2, 8, vocab, 4
         self.windows = ()   # every layer global: a dense model
+        self.linear_layers, self.kv_layers = (), self.n_layers    # no linear-attention layers
 
 
 class FakeModel:
