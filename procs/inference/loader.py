@@ -1,7 +1,8 @@
 """Load a Llama-family checkpoint (GGUF, or a Hugging Face safetensors dir) into torch.
 
-The architectures (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Phi-3, Gemma 3, gpt-oss, GLM, Qwen3-Next and Qwen3.5, and
-GLM-4.7-Flash's latent attention among others) are described in procs/inference/archs.py.
+The architectures (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Phi-3, Gemma 3, gpt-oss, GLM,
+GLM-4.7-Flash's latent attention, Qwen3-Next's and Qwen3.5's linear attention among others)
+are described in procs/inference/archs.py.
 Format quirks live here, never in forward(): Llama-family GGUFs store Q/K rows permuted for
 llama.cpp's adjacent-pair RoPE, and we un-permute them to the Hugging Face half-split layout
 the model uses; quantized tensors are dequantized once, into the compute dtype.
