@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import struct
 
+from procs.inference.gguf_tensors import dequant
 from procs.inference.rope import ModelLoadError, hf_rope, longrope_attn
 
 GPT_OSS_SWA_PATTERN = 2         # layer i slides when i % 2 == 0 (transformers' layer_types default)
@@ -55,6 +56,26 @@ def hf_phi3(c: dict, head_dim: int, where: str) -> dict:
         attn = longrope_attn(float(rp.get("factor") or c["max_position_embeddings"] / orig), orig)
     return {**out, "rope_factors": short, "rope_factors_long": long, "rope_long_from": orig,
             "rope_attn_factor": float(attn)}
+
+
+def gguf_phi3(g, p: str, head_dim: int, rope_dims: int, where: str) -> dict:
+    """Phi-3's extra fields as llama.cpp's converter writes them: rope.dimension_count below
+    the head size (partial rotary), LongRoPE's factor tensors with original_context_length
+    and rope.scaling.attn_factor, and the sliding window."""
+    m = g.meta
+    window = int(m.get(p + "attention.sliding_window", 0))
+    out = dict(windows=(window,) * int(m[p + "block_count"]) if window else (),
+               rope_dims=rope_dims if rope_dims != head_dim else 0)
+    if "rope_factors_long.weight" not in g.tensors:
+        return out
+    long, short = (tuple(dequant(g, f"rope_factors_{k}.weight").tolist()) for k in ("long", "short"))
+    if len(long) != rope_dims // 2 or len(short) != rope_dims // 2:
+        raise ModelLoadError(f"{where}: LongRoPE factors of {len(short)} and {len(long)}, not {rope_dims // 2}")
+    orig = int(m.get(p + "rope.scaling.original_context_length", 0))
+    if not orig:
+        raise ModelLoadError(f"{where}: LongRoPE without rope.scaling.original_context_length")
+    return {**out, "rope_factors": short, "rope_factors_long": long, "rope_long_from": orig,
+            "rope_attn_factor": float(m.get(p + "rope.scaling.attn_factor", 1.0))}
 
 
 def hf_moe(c: dict, where: str) -> dict:

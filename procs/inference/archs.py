@@ -16,9 +16,9 @@ from dataclasses import dataclass
 # arch_configs.py; re-exported for the loader and tests
 from procs.inference.arch_configs import (GEMMA3_LOCAL_THETA, GEMMA3_SWA_PATTERN,  # noqa: F401
                                           GPT_OSS_SWA_PATTERN, gemma3_layers, gguf_gemma3, gguf_glm4moe,
-                                          gguf_gpt_oss, gguf_hybrid, gguf_mla, gguf_moe, gguf_q_scale, hf_gemma3,
-                                          hf_glm4moe, hf_gpt_oss, hf_hybrid, hf_mla, hf_moe, hf_partial_rope, hf_phi3,
-                                          hf_q_scale, hf_text_config, nope_layers)
+                                          gguf_gpt_oss, gguf_hybrid, gguf_mla, gguf_moe, gguf_phi3, gguf_q_scale,
+                                          hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_hybrid, hf_mla, hf_moe,
+                                          hf_partial_rope, hf_phi3, hf_q_scale, hf_text_config, nope_layers)
 from procs.inference.rope import (ModelLoadError, gguf_rope, hf_rope, llama3_factors,  # noqa: F401
                                   longrope_attn, yarn_factors, yarn_mscale)
 
@@ -323,6 +323,14 @@ def unused_math(arch: Arch, present: set[str], fmt: int) -> list[str]:
         {v for _, v in (arch.hf_names if fmt == 0 else arch.gguf_names)}
     present = {re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{e}.", s) for s in present}
     return sorted(s for s in present if s in known and s not in used)
+
+
+def check_unused(arch, names, layer_prefix: str, fmt: int, path: str) -> None:
+    """A load error for per-layer tensors that change the math but that arch would not read."""
+    present = {re.sub("^" + layer_prefix, "", n) for n in names if re.match(layer_prefix, n)}
+    extra = unused_math(arch, present, fmt)
+    if extra:
+        raise ModelLoadError(f"{path}: tensors {extra} are not part of architecture {arch.name!r}")
 
 
 # Flags a model of these architectures sets for itself: (Arch field, config.json key and its

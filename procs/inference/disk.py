@@ -18,6 +18,7 @@ import torch
 
 from common import kvfile
 from common import messages as m
+from procs.inference.gdn import state_values
 from procs.inference.kvsession import KVSession
 from shm.slots import SEQ_BYTES, SlotPool, body_bytes
 
@@ -40,9 +41,8 @@ class Disk:
         self.kv_dtype = KV_DTYPES[model.dtype]
         es = torch.empty((), dtype=model.dtype).element_size()
         windows = tuple(c.windows) if any(c.windows) else ()   # all global: a dense model (v1)
-        state = dict(state_layers=sum(c.linear_layers),
-                     conv_values=(2 * c.ssm_k_heads * c.ssm_k_dim + c.ssm_v_heads * c.ssm_v_dim) * (c.ssm_conv - 1),
-                     ssm_values=c.ssm_v_heads * c.ssm_k_dim * c.ssm_v_dim) if c.linear_layers else {}
+        state = dict(zip(("state_layers", "conv_values", "ssm_values"), (sum(c.linear_layers), *state_values(c)))) \
+            if c.linear_layers else {}
         self.geometry = kvfile.Geometry(ctx_size=n_ctx, chunk_size=s.chunk_size, kv_capacity=n_ctx,
                                         sliding_window=max(windows, default=0), windows=windows,
                                         n_layers=c.kv_layers, kv_heads=c.n_kv_heads, head_dim=c.head_dim,

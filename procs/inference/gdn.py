@@ -30,13 +30,20 @@ BLOCK = 64          # prefill's block of tokens (the closed form's triangular so
 L2_EPS = 1e-6       # transformers' l2norm epsilon (fla's), not the model's RMSNorm one
 
 
+def state_values(c) -> tuple[int, int]:
+    """(convolution inputs, recurrent state) values of one linear-attention layer of config c:
+    the last K - 1 inputs of its q|k|v channels, and value heads x key dim x value dim."""
+    conv_dim = 2 * c.ssm_k_heads * c.ssm_k_dim + c.ssm_v_heads * c.ssm_v_dim
+    return conv_dim * (c.ssm_conv - 1), c.ssm_v_heads * c.ssm_k_dim * c.ssm_v_dim
+
+
 class Recurrent:
     """One sequence's states for every linear-attention layer: conv [n, conv_dim, K - 1] in the
     compute dtype (the raw inputs, oldest first) and ssm [n, nv, dk, dv] in f32."""
 
     def __init__(self, c, n: int, dtype: torch.dtype, device):
-        conv_dim = 2 * c.ssm_k_heads * c.ssm_k_dim + c.ssm_v_heads * c.ssm_v_dim
-        self.conv = torch.zeros(n, conv_dim, c.ssm_conv - 1, dtype=dtype, device=device)
+        conv = state_values(c)[0] // (c.ssm_conv - 1)
+        self.conv = torch.zeros(n, conv, c.ssm_conv - 1, dtype=dtype, device=device)
         self.ssm = torch.zeros(n, c.ssm_v_heads, c.ssm_k_dim, c.ssm_v_dim, dtype=torch.float32, device=device)
 
     @classmethod
@@ -112,7 +119,7 @@ class GatedDeltaNet:
         self.w_in, self.w_out = w_in, w_out
         self.conv_w = conv.unsqueeze(1).contiguous()                   # [conv_dim, 1, K]
         self.conv_f32 = conv.float().contiguous()                       # decode's [conv_dim, K]
-        self.a, self.dt, self.norm = a.float(), dt, norm
+        self.a, self.dt, self.norm = a, dt, norm
 
     def __call__(self, h: torch.Tensor, lin: Callable, seqs) -> torch.Tensor:
         """The rows h [T, dim] -> [T, nv * dv] for the output projection (lin(w_out, ...) by the

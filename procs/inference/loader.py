@@ -25,11 +25,11 @@ from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYP
 from procs.inference.hf_files import gpt_oss_experts, read_safetensors, text_tensors
 from procs.inference.rows import (ROTATED, grouped_rows, mla_rows, rotary_perm, rotary_rows, split_fused,
                                   tile_v_heads, unpermute)
-from procs.inference.archs import (ModelLoadError, arch_of, fused_rows, gguf_gemma3, gguf_glm4moe, gguf_hybrid,
-                                   gguf_mla, gguf_gpt_oss, gguf_moe, gguf_q_scale, gguf_rope, gguf_variant, hf_gemma3,
-                                   hf_glm4moe, hf_gpt_oss, hf_hybrid, hf_mla, hf_moe, hf_partial_rope, hf_phi3,
-                                   hf_q_scale, hf_rope, hf_text_config, hf_variant, layer_names, nope_layers,
-                                   tensor_name, unused_math)
+from procs.inference.archs import (ModelLoadError, arch_of, check_unused, fused_rows, gguf_gemma3, gguf_glm4moe,
+                                   gguf_hybrid, gguf_mla, gguf_gpt_oss, gguf_moe, gguf_phi3, gguf_q_scale, gguf_rope,
+                                   gguf_variant, hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_hybrid, hf_mla, hf_moe,
+                                   hf_partial_rope, hf_phi3, hf_q_scale, hf_rope, hf_text_config, hf_variant,
+                                   layer_names, nope_layers, tensor_name, unused_math)
 
 QUANT_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5,
               "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "MXFP4": 4}
@@ -113,6 +113,10 @@ class ModelConfig:
     def kv_layers(self) -> int:
         """The layers that hold K/V rows (all but the linear-attention ones)."""
         return self.n_layers - sum(self.linear_layers)
+
+    def is_linear(self, i: int) -> bool:
+        """Whether layer i is a Gated DeltaNet."""
+        return bool(self.linear_layers) and self.linear_layers[i]
 
 
 @dataclass
@@ -213,7 +217,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
     if arch.name == "gemma3":
         extra.update(gguf_gemma3(m, p, int(m[p + "block_count"]), dim, n_heads, head_dim))
     if arch.fused:
-        extra.update(_gguf_phi3(g, p, head_dim, rope_dims, path))
+        extra.update(gguf_phi3(g, p, head_dim, rope_dims, path))
     cfg = ModelConfig(
         n_layers=n_layers, dim=dim,
         n_heads=n_heads, n_kv_heads=extra.pop("n_kv_heads", int(m.get(p + "attention.head_count_kv", n_heads))),
@@ -222,10 +226,10 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         max_context=int(m.get(p + "context_length", 4096)),
         tied_embeddings="output.weight" not in g.tensors, quant_bits=QUANT_BITS.get(main_type, 0),
         arch=arch.name, act=arch.act, **{"rope_factors": factors, "rope_attn_factor": attn, **extra})
-    _check_unused(arch, g.tensors, r"blk\.\d+\.", 1, path)
+    check_unused(arch, g.tensors, r"blk\.\d+\.", 1, path)
     names = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
     for i in range(cfg.n_layers):
-        for ours in layer_names(arch, i < cfg.dense_layers, _linear(cfg, i), fmt=1):
+        for ours in layer_names(arch, i < cfg.dense_layers, cfg.is_linear(i), fmt=1):
             names[f"blk.{i}.{tensor_name(arch, ours, 1)}"] = f"layers.{i}.{ours}"
     # rows of Q per query head, of K per key/value head, when permuted (no permuted
     # architecture has q/k biases: archs.layer_names)
@@ -278,26 +282,6 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
               for ours, _, _ in split.get(n.rsplit(".", 1)[-1], (None, ()))[1]} | \
             {n for n in q8 if n.rsplit(".", 1)[-1] not in split}
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), q4, frozenset(q8), q8p)
-
-
-def _gguf_phi3(g: GGUFFile, p: str, head_dim: int, rope_dims: int, where: str) -> dict:
-    """Phi-3's extra fields as llama.cpp's converter writes them: rope.dimension_count below
-    the head size (partial rotary), LongRoPE's factor tensors with original_context_length
-    and rope.scaling.attn_factor, and the sliding window."""
-    m = g.meta
-    window = int(m.get(p + "attention.sliding_window", 0))
-    out = dict(windows=(window,) * int(m[p + "block_count"]) if window else (),
-               rope_dims=rope_dims if rope_dims != head_dim else 0)
-    if "rope_factors_long.weight" not in g.tensors:
-        return out
-    long, short = (tuple(dequant(g, f"rope_factors_{k}.weight").tolist()) for k in ("long", "short"))
-    if len(long) != rope_dims // 2 or len(short) != rope_dims // 2:
-        raise ModelLoadError(f"{where}: LongRoPE factors of {len(short)} and {len(long)}, not {rope_dims // 2}")
-    orig = int(m.get(p + "rope.scaling.original_context_length", 0))
-    if not orig:
-        raise ModelLoadError(f"{where}: LongRoPE without rope.scaling.original_context_length")
-    return {**out, "rope_factors": short, "rope_factors_long": long, "rope_long_from": orig,
-            "rope_attn_factor": float(m.get(p + "rope.scaling.attn_factor", 1.0))}
 
 
 def load_hf_dir(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
@@ -366,11 +350,11 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
         head_dim=head_dim, vocab_size=c["vocab_size"],
         norm_eps=float(c["rms_norm_eps"]), max_context=int(c.get("max_position_embeddings", 4096)),
         tied_embeddings="lm_head.weight" not in st, quant_bits=16, arch=arch.name, act=arch.act, **extra)
-    _check_unused(arch, st, r"model\.layers\.\d+\.", 0, path)
+    check_unused(arch, st, r"model\.layers\.\d+\.", 0, path)
     names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
              "lm_head.weight": "lm_head"}
     for i in range(cfg.n_layers):
-        for ours in layer_names(arch, i < cfg.dense_layers, _linear(cfg, i)):
+        for ours in layer_names(arch, i < cfg.dense_layers, cfg.is_linear(i)):
             names[f"model.layers.{i}.{tensor_name(arch, ours, 0)}"] = f"layers.{i}.{ours}"
     tensors, norms = {}, {}
     for hf, ours in names.items():
@@ -403,17 +387,6 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
     if arch.ssm_tiled:              # Qwen3.5's value heads in llama.cpp's order (ModelConfig.ssm_tiled)
         tile_v_heads(tensors, cfg)
     return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})
-
-
-def _linear(cfg: ModelConfig, i: int) -> bool:
-    return bool(cfg.linear_layers) and cfg.linear_layers[i]
-
-
-def _check_unused(arch, names, layer_prefix: str, fmt: int, path: str) -> None:
-    present = {re.sub("^" + layer_prefix, "", n) for n in names if re.match(layer_prefix, n)}
-    extra = unused_math(arch, present, fmt)
-    if extra:
-        raise ModelLoadError(f"{path}: tensors {extra} are not part of architecture {arch.name!r}")
 
 
 def load(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:

@@ -29,7 +29,8 @@ from common.trace import Trace
 from common.models import load_text, resolve
 from procs.inference.disk import Disk
 from procs.inference.guide import Guides
-from procs.inference.kvsession import KVSession, Sharing
+from procs.inference.kvsession import KVSession
+from procs.inference.sharing import Sharing
 from procs.inference.placement import Placement
 from procs.inference.runs import Run, Runs
 from procs.inference.runtime import build, explain

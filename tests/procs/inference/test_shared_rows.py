@@ -12,7 +12,8 @@ import torch
 
 from common.config import Settings
 from common.models import ModelError, resolve
-from procs.inference.kvsession import KVSession, Sharing, decode_many
+from procs.inference.kvsession import KVSession, decode_many
+from procs.inference.sharing import Sharing
 from procs.inference.native import ATT_CHUNK
 from tests.conftest import _load_model
 
@@ -122,7 +123,7 @@ _MARCH_CHECK = r"""
 import torch
 import torch.nn.functional as F
 from procs.inference import native
-from procs.inference.kvsession import Sharing
+from procs.inference.sharing import Sharing
 from tests.conftest import _load_model, default_model_path
 from tests.procs.inference import test_shared_rows as t
 k = native.load()
