@@ -120,6 +120,7 @@ class GatedDeltaNet:
         self.conv_w = conv.unsqueeze(1).contiguous()                   # [conv_dim, 1, K]
         self.conv_f32 = conv.float().contiguous()                       # decode's [conv_dim, K]
         self.a, self.dt, self.norm = a, dt, norm
+        self.native = None      # native_gdn.DeltaStep, set by the model where the kernels run
 
     def __call__(self, h: torch.Tensor, lin: Callable, seqs) -> torch.Tensor:
         """The rows h [T, dim] -> [T, nv * dv] for the output projection (lin(w_out, ...) by the
@@ -127,6 +128,10 @@ class GatedDeltaNet:
         sequence, in row order: one for a prefill, one row each for a batched decode step."""
         T = h.shape[0]
         p = lin(self.w_in, h)
+        if self.native is not None and all(n == 1 for _, n, _, _ in seqs):
+            convs = [st.conv[self.slot] for _, _, _, st in seqs]
+            if self.native.takes(convs):        # decode: the whole step between the projections in C
+                return self.native(p, convs, [st.ssm[self.slot] for _, _, _, st in seqs])
         mixed, z, b, a = p.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
         beta = torch.sigmoid(b).float()                                # [T, nv]
         g = self.a * F.softplus(a.float() + self.dt)                   # [T, nv] f32, < 0

@@ -96,6 +96,8 @@ class Llama:
                     cache.put(key, lin.mat)
                 return lin
             self.layers.append(build_layer(c, t, i, fused))
+            if packs and self.layers[-1].gdn is not None:    # its decode step in the kernels (gdn.c)
+                self.layers[-1].gdn.native = kernels.delta_step(self.layers[-1].gdn, self.dtype)
             # the layer's sources are fused copies now: dropped as we go, so a load peaks at
             # one copy of the weights plus one layer, not two copies
             for d in (t, q4, q8p):          # del, not pop: a source never read stays unmade

@@ -7,6 +7,8 @@ flags and CPU, cached on disk, loaded with ctypes.
   weights in their packed form (kernels/decode.c; kernels/qdot.c for int4 and int8 weights,
   integer dot products on int8 activations; kernels/gemv.c for the rest): a torch step is
   ~1,000 small ops whose dispatch costs as much as the weight reads on a small model.
+- DeltaStep (native_gdn.py): a Gated DeltaNet layer's decode step between its projections
+  (kernels/gdn.c), for the linear-attention models the whole-step decoder does not take.
 
 Built with -march=native, so the cache key includes the CPU's flags; a build that fails (no
 compiler) leaves decode on torch's kernels with one warning, never a failed start.
@@ -28,11 +30,12 @@ import torch
 from common.config import _default_cache_root
 from procs.inference.cpu import cpu_flags
 from procs.inference.native_attention import DecodeAttention, PrefillAttention
+from procs.inference.native_gdn import binder
 
 log = logging.getLogger("ricordo.native")
 
 DIR = Path(__file__).with_name("kernels")
-SOURCES = ("attention.c", "prefill.c", "gemv.c", "qdot.c", "decode.c")
+SOURCES = ("attention.c", "prefill.c", "gemv.c", "qdot.c", "decode.c", "gdn.c")
 HEADERS = ("kernels.h", "simd.h", "pairs.h")
 # -fassociative-math (with what it requires) lets the dot products and sums vectorize; a build
 # is still one fixed instruction sequence, so its results are deterministic.
@@ -306,6 +309,7 @@ class Kernels:
         self.lib = lib
         self.attention = DecodeAttention(lib)
         self.prefill = PrefillAttention(lib)
+        self.delta_step = binder(lib)      # layer, dtype -> a Gated DeltaNet's decode step
         one = lib.mat_vec_one
         one.restype = ctypes.c_int
         one.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 2

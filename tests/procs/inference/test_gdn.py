@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from procs.inference import native
 from procs.inference.gdn import BLOCK, delta_block, delta_step
 from procs.inference.kvsession import MAX_MARKS, KVSession, decode_many
 from procs.inference.loader import load
@@ -148,6 +149,44 @@ def test_batched_decode_equals_each_sequence_alone(build):
             assert (s.decode(t) - row).abs().max() < 1e-4, step
     assert all(torch.allclose(a.state.ssm, b.state.ssm, atol=1e-5) for a, b in zip(together, alone))
     assert not torch.allclose(together[0].state.ssm, together[1].state.ssm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_the_native_step_is_the_torch_step(build, name, dtype):
+    """The kernels' decode step (gdn.c, taken wherever the native kernels load) against
+    gdn.py's torch ops on the same model and weights: three sessions decoding in one batched
+    step, grouped (qwen3_next) and tiled (qwen3_5) value heads, f32 and bf16 (the torch
+    path's roundings to the compute dtype): logits, convolution inputs and states agree to
+    rounding, and the step takes what the session holds (a changed state changes it)."""
+    _, _, _, gguf_path = build(name)
+    kernels = native.load()
+    assert kernels is not None, "the native kernels did not build"
+    models = [Llama(load(gguf_path, dtype, "cpu"), MAX_POS, kernels=kernels) for _ in range(2)]
+    assert all(ly.gdn.native is not None for ly in models[0].layers if ly.gdn)
+    for ly in models[1].layers:
+        if ly.gdn:
+            ly.gdn.native = None
+    ids = _prompt(name)
+    runs = []
+    for model in models:
+        sess = [KVSession(model, MAX_POS, 16) for _ in range(3)]
+        for i, s in enumerate(sess):
+            s.prefill(ids[:12 + 9 * i])
+        toks = [ids[30 + i] for i in range(3)]
+        rows = [decode_many(sess, [t + step for t in toks]) for step in range(5)]
+        runs.append((torch.stack([torch.stack(list(r)) for r in rows]), sess))
+    (ours, s_n), (ref, s_t) = runs
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    scale = ref.abs().max().item()
+    print(f"\n[{name} {dtype}] max logit diff {(ours - ref).abs().max().item():.3g} of {scale:.3g}")
+    assert (ours - ref).abs().max() < tol * max(1.0, scale)
+    for a, b in zip(s_n, s_t):
+        assert (a.state.ssm - b.state.ssm).abs().max() < tol * max(1.0, b.state.ssm.abs().max().item())
+        assert (a.state.conv.float() - b.state.conv.float()).abs().max() < tol * max(1.0, b.state.conv.abs().max().item())
+    before = s_n[0].decode(7)
+    s_n[0].state.ssm.mul_(0.5)
+    assert (s_n[0].decode(7) - before).abs().max() > 10 * tol
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
