@@ -112,6 +112,7 @@ class GatedDeltaNet:
         [conv_dim, K] (the current token's weight last); a = -exp(A_log) [nv] f32; dt [nv];
         norm [dv]: the gated RMSNorm's weight (not offset); w_out: the output projection."""
         self.slot, self.eps = slot, c.norm_eps
+        self.state_values = state_values(c)          # its elements in a Recurrent: convolution, state
         self.nk, self.nv, self.dk, self.dv = c.ssm_k_heads, c.ssm_v_heads, c.ssm_k_dim, c.ssm_v_dim
         self.tiled = c.ssm_tiled
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv

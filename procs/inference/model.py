@@ -191,7 +191,7 @@ class Llama:
         T, S = ids.shape[0], pos + ids.shape[0]
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
         if T == 1 and not pad_to and self.decoder is not None:
-            out = self.decoder(ids, pos, kc, vc)                               # [1, V]
+            out = self.decoder(ids, pos, kc, vc, state)                        # [1, V]
             return out if rows == [0] else out[rows]
         if pad_to and T > pad_to:
             raise ValueError(f"{T} rows exceed the exact-mode block of {pad_to}")
@@ -282,7 +282,7 @@ class Llama:
             return torch.cat([self.forward(torch.tensor([t], device=self.device), p, kc, vc, [0], state=st)
                               for t, p, (kc, vc), st in zip(ids, pos, caches, states)])
         if self.decoder is not None:
-            return self.decoder.batch(torch.tensor(ids, device=self.device), pos, caches, share)
+            return self.decoder.batch(torch.tensor(ids, device=self.device), pos, caches, share, states)
         c = self.cfg
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
         x = self.embed_rows(torch.tensor(ids, device=self.device))            # [B, dim]

@@ -85,7 +85,8 @@ class LayerW(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("attn_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm",
                                                "ffn_norm", "post_ffn_norm")] + \
                [(n, Mat) for n in ("qkv", "wo", "gu", "down")] + \
-               [("window", ctypes.c_int32), ("rope", ctypes.c_int32)]
+               [(n, ctypes.c_int32) for n in ("window", "rope", "kv", "gated")] + \
+               [("gdn", ctypes.c_void_p), ("slot", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
 class ModelW(ctypes.Structure):
@@ -94,7 +95,8 @@ class ModelW(ctypes.Structure):
                [("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2),
                 ("layers", ctypes.POINTER(LayerW)), ("norm", ctypes.c_void_p), ("head", Mat),
-                ("q_scale", ctypes.c_void_p)]
+                ("q_scale", ctypes.c_void_p), ("lin_in", ctypes.c_int32), ("lin_out", ctypes.c_int32),
+                ("conv_slot", ctypes.c_long), ("ssm_slot", ctypes.c_long)]
 
 
 class Packed(NamedTuple):
@@ -219,7 +221,7 @@ class Decoder:
         self.batch_fn = lib.decode_batch
         self.batch_fn.restype = ctypes.c_int
         self.batch_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_void_p] * 8
+            [ctypes.c_void_p] * 10
         self.batch_size = lib.decode_batch_scratch
         self.batch_size.restype = ctypes.c_long
         self.batch_size.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -242,7 +244,10 @@ class Decoder:
                 setattr(lw, name, f32(t))
             for name, lin in (("qkv", ly.wqkv), ("wo", ly.wo), ("gu", ly.wgu), ("down", ly.wd)):
                 setattr(lw, name, lin.mat.mat())
-            lw.window, lw.rope = ly.window, ly.rope
+            lw.window, lw.rope, lw.kv, lw.gated = ly.window, ly.rope, ly.kv, int(ly.gated)
+            if ly.gdn is not None:      # its step's constants (gdn.c), as torch's decode path calls them
+                lw.gdn, lw.slot = ctypes.addressof(ly.gdn.native.w), ly.gdn.slot
+                keep.append(ly.gdn.native)      # the struct and the f32 copies it points into
         self._layers = layers
         ropes = [(cos.contiguous(), sin.contiguous()) for cos, sin in model.rope]
         keep.extend(t for pair in ropes for t in pair)
@@ -256,19 +261,24 @@ class Decoder:
         m.head = model.head_mat.mat()
         # rounded to the compute dtype first, as the torch path multiplies by it
         m.q_scale = f32(None if model.q_scale is None else model.q_scale.to(model.dtype))
+        if c.linear_layers:
+            step = next(ly.gdn.native for ly in model.layers if ly.gdn is not None)
+            m.lin_in, m.lin_out = step.width, step.w.nv * step.w.dv
+            m.conv_slot, m.ssm_slot = step.state_values
         self.vocab = m.head.n
         self.scratch = torch.empty(0)
 
-    def __call__(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor, state=None) -> torch.Tensor:
         """One token of one sequence: the batch of one."""
-        return self.batch(ids[:1], [pos], [(kc, vc)])
+        return self.batch(ids[:1], [pos], [(kc, vc)], states=[state])
 
-    def batch(self, ids: torch.Tensor, pos: list[int], caches: list, share=None) -> torch.Tensor:
+    def batch(self, ids: torch.Tensor, pos: list[int], caches: list, share=None, states=None) -> torch.Tensor:
         """B tokens of B sequences in one call: ids [B], pos[b] and caches[b] = (kc, vc) of
         sequence b -> float32 logits [B, V], row b equal (bit for bit) to __call__ on it alone.
         The weights are read once for all rows (decode.c decode_batch). share[b] = (a, n):
         the first n rows (a multiple of ATT_CHUNK) of b's caches equal a's (a < b) bit for
-        bit, so attention reads them once for both; (b, 0): none."""
+        bit, so attention reads them once for both; (b, 0): none. states[b]: sequence b's
+        gdn.Recurrent (a model with DeltaNet layers), advanced in place."""
         model, B = self.model, len(pos)
         model.ensure_rope(max(pos) + 1)
         for kc, vc in caches:
@@ -296,10 +306,22 @@ class Decoder:
                            arr(ctypes.c_void_p, [vc.data_ptr() for _, vc in caches]),
                            arr(ctypes.c_long, [kc.stride(0) for kc, _ in caches]),
                            arr(ctypes.c_long, [kc.stride(1) for kc, _ in caches]),
-                           lead, shared, logits.data_ptr(), self.scratch.data_ptr())
+                           lead, shared, logits.data_ptr(), self.scratch.data_ptr(), *self._states(states, B))
         if rc:
             raise ValueError("native decode does not take this model's shapes")
         return logits
+
+    def _states(self, states, B: int):
+        """decode_batch's conv and ssm arrays (None, None for a model without DeltaNet layers)."""
+        if not self.model.cfg.linear_layers:
+            return None, None
+        if not states or any(st is None for st in states):
+            raise ValueError("native decode of a DeltaNet model needs each sequence's state")
+        for st in states:
+            if not (st.conv.is_contiguous() and st.ssm.is_contiguous() and st.conv.dtype == self.model.dtype):
+                raise ValueError("native decode needs contiguous states, convolution inputs in the compute dtype")
+        return ((ctypes.c_void_p * B)(*(st.conv.data_ptr() for st in states)),
+                (ctypes.c_void_p * B)(*(st.ssm.data_ptr() for st in states)))
 
 
 class Kernels:
@@ -368,7 +390,7 @@ class Kernels:
     def takes(model) -> bool:
         c = model.cfg
         return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32)
-                and not c.n_experts and not c.kv_lora and not c.linear_layers and c.head_dim <= 256 and c.n_heads % c.n_kv_heads == 0
+                and not c.n_experts and not c.kv_lora and c.head_dim <= 256 and c.n_heads % c.n_kv_heads == 0
                 and DecodeAttention.takes(c.n_heads // c.n_kv_heads, c.head_dim))
 
     def decoder(self, model) -> Decoder | None:

@@ -24,6 +24,7 @@ class DeltaStep:
         self.w = GdnW(layer.nk, layer.nv, layer.dk, layer.dv, layer.conv_f32.shape[1], int(layer.tiled),
                       int(dtype == torch.bfloat16), 0, layer.eps, *(t.data_ptr() for t in self.keep))
         self.width = layer.conv_dim + layer.value_dim + 2 * layer.nv
+        self.state_values = layer.state_values
 
     def takes(self, convs: list[torch.Tensor]) -> bool:
         return all(c.dtype == self.dtype and c.is_contiguous() and c.device.type == "cpu" for c in convs)

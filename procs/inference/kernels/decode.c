@@ -8,7 +8,8 @@
  *
  * What a layer carries arrives as optional pointers (NULL: the architecture has none), the
  * same facts procs/inference/layer.Layer holds; a mixture-of-experts layer is not taken here
- * (native.py leaves such models on torch's path).
+ * (native.py leaves such models on torch's path). A Gated DeltaNet layer (Qwen3.5) runs its
+ * projections here and the rest in gdn.c, on each sequence's recurrent state.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,8 +21,12 @@ enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 typedef struct {
     const float *attn_norm, *bqkv, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm;
-    Mat qkv, wo, gu, down;        /* [(H+2KV)*D, dim], [dim, H*D], [2*ffn, dim], [dim, ffn] */
+    Mat qkv, wo, gu, down;        /* [(H+2KV)*D (+ H*D gate rows), dim], [dim, H*D], [2*ffn, dim], [dim, ffn];
+                                     a DeltaNet's: qkv its in-projection [lin_in, dim], wo [dim, lin_out] */
     int32_t window, rope;         /* sliding window (0: global); which rotary table */
+    int32_t kv, gated;            /* the layer's index into the K/V caches; an output gate (Qwen3-Next) */
+    const GdnW *gdn;              /* a Gated DeltaNet in place of attention (NULL: attention) */
+    int32_t slot, pad;            /* its index into the sequences' recurrent states */
 } LayerW;
 
 typedef struct {
@@ -32,6 +37,8 @@ typedef struct {
     const float *norm;
     Mat head;                     /* [V, dim] */
     const float *q_scale;         /* [ctx]: q times q_scale[pos] after RoPE (Ministral 3); NULL: 1 */
+    int32_t lin_in, lin_out;      /* a DeltaNet's in-projection rows and output width (0: none) */
+    long conv_slot, ssm_slot;     /* elements of one layer's convolution inputs and state */
 } ModelW;
 
 static void rms_norm(const float *x, const float *w, float eps, int n, float *out) {
@@ -89,7 +96,7 @@ static int residual(const Mat *w, int B, const float *in, long ld_in, const floa
 
 /* Scratch floats one activation row takes (every buffer of a step, but attention's) */
 static long row_floats(const ModelW *m) {
-    return 2L * m->dim + (m->H + 2 * m->KV) * m->D + m->H * m->D + 2L * m->ffn;
+    return 2L * m->dim + imax((2 * m->H + 2 * m->KV) * m->D, m->lin_in) + imax(m->H * m->D, m->lin_out) + 2L * m->ffn;
 }
 
 long decode_batch_scratch(const ModelW *m, int B, int S) {
@@ -106,22 +113,38 @@ long decode_batch_scratch(const ModelW *m, int B, int S) {
  * a layer whose keys all start at row 0 for both reads them once for both. Writes logits
  * [B][V] (row b is what a batch of that sequence alone gives, bit for bit); returns 0, or -1
  * for a shape the kernels do not take (or scratch memory refused). scratch:
- * decode_batch_scratch(m, B, max pos + 1) floats. */
+ * decode_batch_scratch(m, B, max pos + 1) floats. conv[b], ssm[b] (NULL without DeltaNet
+ * layers): sequence b's recurrent state, layer slot s at s * conv_slot (ssm_slot) elements. */
 int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *kc, void *const *vc,
                  const long *layer_stride, const long *head_stride, const int *lead, const int *shared,
-                 float *logits, float *scratch) {
+                 float *logits, float *scratch, void *const *conv, float *const *ssm) {
     const int dim = m->dim, H = m->H, KV = m->KV, D = m->D, ffn = m->ffn, esz = m->kv_bf16 ? 2 : 4;
     if (D > 512 || H % KV || B < 1) return -1;
-    const int QKV = (H + 2 * KV) * D;
-    float *h = scratch, *o = h + (long)B * dim, *qkv = o + (long)B * dim, *att = qkv + (long)B * QKV;
-    float *gu = att + (long)B * H * D, *att_scratch = gu + (long)B * 2 * ffn;
+    const int QKV0 = (H + 2 * KV) * D;
+    const long qkv_max = imax(QKV0 + H * D, m->lin_in), att_max = imax(H * D, m->lin_out);
+    float *h = scratch, *o = h + (long)B * dim, *qkv = o + (long)B * dim, *att = qkv + (long)B * qkv_max;
+    float *gu = att + (long)B * att_max, *att_scratch = gu + (long)B * 2 * ffn;
     const float *qs[B];
     const void *ks_[B], *vs_[B];
     float *outs[B];
     int rows[B], ld[B], sh[B];
+    void *cs[B];
+    float *ss[B];
     for (int l = 0; l < m->n_layers; l++) {
         const LayerW *L = m->layers + l;
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * dim, L->attn_norm, m->eps, dim, h + (long)b * dim);
+        if (L->gdn) {
+            const int esz_c = L->gdn->bf16 ? 2 : 4;
+            if (!conv || !ssm || mat_mul(&L->qkv, B, h, dim, qkv, m->lin_in)) return -1;
+            for (int b = 0; b < B; b++) {
+                cs[b] = (char *)conv[b] + L->slot * m->conv_slot * esz_c;
+                ss[b] = ssm[b] + L->slot * m->ssm_slot;
+            }
+            if (gdn_step(L->gdn, B, qkv, m->lin_in, cs, ss, att, m->lin_out)) return -1;
+            if (residual(&L->wo, B, att, m->lin_out, L->post_attn_norm, m->eps, dim, x, dim, o)) return -1;
+            goto mlp;
+        }
+        const int QKV = QKV0 + (L->gated ? H * D : 0);
         if (mat_mul(&L->qkv, B, h, dim, qkv, QKV)) return -1;
         for (int b = 0; b < B; b++) {
             float *q = qkv + (long)b * QKV, *k = q + H * D, *v = k + KV * D;
@@ -134,7 +157,7 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
             rope(q, H + KV, D, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, pos[b]);
             if (m->q_scale)
                 for (int i = 0; i < H * D; i++) q[i] *= m->q_scale[pos[b]];
-            const long base = l * layer_stride[b], hs = head_stride[b];
+            const long base = L->kv * layer_stride[b], hs = head_stride[b];
             for (int i = 0; i < KV; i++) {
                 store_rows(kc[b], m->kv_bf16, base + i * hs + (long)pos[b] * D, k + i * D, D);
                 store_rows(vc[b], m->kv_bf16, base + i * hs + (long)pos[b] * D, v + i * D, D);
@@ -157,7 +180,14 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
         if (decode_attention_many(B, qs, ks_, vs_, head_stride, rows, ld, sh, KV, H / KV, D, m->scale, m->kv_bf16,
                                   outs, att_scratch))
             return -1;
+        if (L->gated)               /* Qwen3-Next's output gate: the rows after q|k|v */
+            for (int b = 0; b < B; b++) {
+                float *a = att + (long)b * H * D;
+                const float *g = qkv + (long)b * QKV + QKV0;
+                for (int i = 0; i < H * D; i++) a[i] /= 1.0f + expf(-g[i]);
+            }
         if (residual(&L->wo, B, att, H * D, L->post_attn_norm, m->eps, dim, x, dim, o)) return -1;
+    mlp:
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * dim, L->ffn_norm, m->eps, dim, h + (long)b * dim);
         if (mat_mul(&L->gu, B, h, dim, gu, 2 * ffn)) return -1;
         for (int b = 0; b < B; b++) {

@@ -1,7 +1,7 @@
 /* One decode step of a Gated DeltaNet layer (procs/inference/gdn.py) for B sequences, one
  * token each: the causal convolution over the state's last K - 1 inputs, SiLU, L2-normed q
  * and k, the gated delta rule on each value head's f32 state, the gated RMSNorm. The
- * projections in and out stay the caller's (packed linears, gemv.c / qdot.c).
+ * projections in and out are the caller's: torch's path (gdn.py), or decode.c's whole step.
  *
  * Why: in torch this is ~50 small ops per layer, each a few microseconds of dispatch, and
  * the state update is three passes over the state; here it is one fork and two passes (one
@@ -17,22 +17,9 @@
 
 #include "kernels.h"
 
-typedef struct {
-    int32_t nk, nv, dk, dv, K, tiled, bf16, pad;
-    float eps;
-    const float *conv;  /* [conv_dim][K], the current token's weight last */
-    const float *a;     /* [nv]: -exp(A_log) */
-    const float *dt;    /* [nv] */
-    const float *norm;  /* [dv]: the gated RMSNorm's weight (compute-dtype values) */
-} GdnW;
-
 static inline float rnd(float x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* p [B][conv_dim + nv*dv + 2*nv] (row stride ldp): the in-projection's q|k|v, z, b, a;
- * conv[b]: [conv_dim][K - 1] (bf16 when w->bf16, else f32), shifted by one input;
- * ssm[b]: [nv][dk][dv] f32, updated; out [B][nv*dv] (row stride ldo), rounded as the
- * compute dtype. Returns 0, or -1 when scratch memory is refused. */
 int gdn_step(const GdnW *w, int B, const float *p, long ldp, void *const *conv, float *const *ssm,
              float *out, long ldo) {
     const int nk = w->nk, nv = w->nv, dk = w->dk, dv = w->dv, K = w->K, K1 = K - 1, bf = w->bf16;

@@ -43,6 +43,24 @@ int decode_attention_many(int B, const float *const *q, const void *const *k, co
                           const long *head_stride, const int *S, const int *lead, const int *shared, int KV,
                           int G, int D, float scale, int bf16, float *const *out, float *scratch);
 
+/* A Gated DeltaNet layer's constants (gdn.c; procs/inference/native_gdn.py builds them) */
+typedef struct {
+    int32_t nk, nv, dk, dv, K, tiled, bf16, pad;
+    float eps;
+    const float *conv;  /* [conv_dim][K], the current token's weight last */
+    const float *a;     /* [nv]: -exp(A_log) */
+    const float *dt;    /* [nv] */
+    const float *norm;  /* [dv]: the gated RMSNorm's weight (compute-dtype values) */
+} GdnW;
+
+/* One decode step of a Gated DeltaNet layer for B sequences (gdn.c). p [B][conv_dim + nv*dv
+ * + 2*nv] (row stride ldp): the in-projection's q|k|v, z, b, a; conv[b]: [conv_dim][K - 1]
+ * (bf16 when w->bf16, else f32), shifted by one input; ssm[b]: [nv][dk][dv] f32, updated;
+ * out [B][nv*dv] (row stride ldo), rounded as the compute dtype. Returns 0, or -1 when
+ * scratch memory is refused. */
+int gdn_step(const GdnW *w, int B, const float *p, long ldp, void *const *conv, float *const *ssm,
+             float *out, long ldo);
+
 /* f16 scales and mins (kernels.h's Mat.s) to f32, exactly */
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)

@@ -153,40 +153,60 @@ def test_batched_decode_equals_each_sequence_alone(build):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_the_native_step_is_the_torch_step(build, name, dtype):
-    """The kernels' decode step (gdn.c, taken wherever the native kernels load) against
-    gdn.py's torch ops on the same model and weights: three sessions decoding in one batched
-    step, grouped (qwen3_next) and tiled (qwen3_5) value heads, f32 and bf16 (the torch
-    path's roundings to the compute dtype): logits, convolution inputs and states agree to
-    rounding, and the step takes what the session holds (a changed state changes it)."""
+def test_the_native_steps_are_the_torch_step(build, name, dtype):
+    """The kernels' decode paths against gdn.py's torch ops on the same model and weights:
+    the DeltaNet step alone (kernels/gdn.c between torch's other ops; Qwen3-Next, whose experts
+    keep it off the whole-step decoder) and, for the dense Qwen3.5, decode.c's whole step
+    too. Three sessions decode in one batched step, grouped (qwen3_next) and tiled (qwen3_5)
+    value heads, f32 and bf16: logits, convolution inputs and states agree to rounding, the
+    whole step's row of a sequence is the one it computes for that sequence alone, bit for
+    bit, and the step reads what the session holds (a changed state changes the next logits)."""
     _, _, _, gguf_path = build(name)
     kernels = native.load()
     assert kernels is not None, "the native kernels did not build"
-    models = [Llama(load(gguf_path, dtype, "cpu"), MAX_POS, kernels=kernels) for _ in range(2)]
-    assert all(ly.gdn.native is not None for ly in models[0].layers if ly.gdn)
-    for ly in models[1].layers:
-        if ly.gdn:
-            ly.gdn.native = None
+    models = {}
+    for path in ("whole", "step", "torch"):
+        model = models[path] = Llama(load(gguf_path, dtype, "cpu"), MAX_POS, kernels=kernels)
+        assert all(ly.gdn.native is not None for ly in model.layers if ly.gdn)
+        assert (model.decoder is not None) == (name == "qwen3_5")     # experts: no whole step
+        if path != "whole":
+            model.decoder = None
+        if path == "torch":
+            for ly in model.layers:
+                if ly.gdn:
+                    ly.gdn.native = None
+    if name != "qwen3_5":
+        del models["whole"]
     ids = _prompt(name)
-    runs = []
-    for model in models:
+    runs = {}
+    for path, model in models.items():
         sess = [KVSession(model, MAX_POS, 16) for _ in range(3)]
         for i, s in enumerate(sess):
             s.prefill(ids[:12 + 9 * i])
+        solo = KVSession(model, MAX_POS, 16)
+        solo.copy_prefix(sess[1], len(sess[1]))
         toks = [ids[30 + i] for i in range(3)]
-        rows = [decode_many(sess, [t + step for t in toks]) for step in range(5)]
-        runs.append((torch.stack([torch.stack(list(r)) for r in rows]), sess))
-    (ours, s_n), (ref, s_t) = runs
+        rows = []
+        for step in range(5):
+            rows.append(torch.stack(list(decode_many(sess, [t + step for t in toks]))))
+            alone = solo.decode(toks[1] + step)      # the batch of one
+            if path == "whole":                      # decode.c's rows do not depend on the batch
+                assert torch.equal(alone, rows[-1][1]), step
+        runs[path] = torch.stack(rows), sess
+    ref, s_t = runs.pop("torch")
+    # the whole step keeps f32 activations between ops where torch's bf16 path rounds each
     tol = 1e-4 if dtype == torch.float32 else 0.05
     scale = ref.abs().max().item()
-    print(f"\n[{name} {dtype}] max logit diff {(ours - ref).abs().max().item():.3g} of {scale:.3g}")
-    assert (ours - ref).abs().max() < tol * max(1.0, scale)
-    for a, b in zip(s_n, s_t):
-        assert (a.state.ssm - b.state.ssm).abs().max() < tol * max(1.0, b.state.ssm.abs().max().item())
-        assert (a.state.conv.float() - b.state.conv.float()).abs().max() < tol * max(1.0, b.state.conv.abs().max().item())
-    before = s_n[0].decode(7)
-    s_n[0].state.ssm.mul_(0.5)
-    assert (s_n[0].decode(7) - before).abs().max() > 10 * tol
+    for path, (ours, s_n) in runs.items():
+        print(f"\n[{name} {dtype} {path}] max logit diff {(ours - ref).abs().max().item():.3g} of {scale:.3g}")
+        assert (ours - ref).abs().max() < tol * max(1.0, scale)
+        for a, b in zip(s_n, s_t):
+            assert (a.state.ssm - b.state.ssm).abs().max() < tol * max(1.0, b.state.ssm.abs().max().item())
+            assert (a.state.conv.float() - b.state.conv.float()).abs().max() < \
+                tol * max(1.0, b.state.conv.abs().max().item())
+        before = s_n[0].decode(7)
+        s_n[0].state.ssm.mul_(0.5)
+        assert (s_n[0].decode(7) - before).abs().max() > 10 * tol
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])

@@ -22,7 +22,7 @@ import copy
 import pytest
 import torch
 
-from tests.procs.inference.tiny_models import CASES, GREEDY, LINEAR, MOE, _ours, _prompt, _transformers, _write_gguf
+from tests.procs.inference.tiny_models import CASES, GREEDY, MOE, _ours, _prompt, _transformers, _write_gguf
 
 gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
@@ -81,7 +81,7 @@ def test_quantized_file_matches_its_dequantized_weights(models, tmp_path, arch, 
     ids = _prompt(arch)
     ref_logits, ref_toks = _transformers(_dequantized(m, qtype), ids)
     model, logits, toks = _ours(path, ids)
-    assert (model.decoder is not None) == (arch not in MOE + LINEAR)   # the native decode ran (MoE: torch's)
+    assert (model.decoder is not None) == (arch not in MOE)   # the native decode ran (MoE: torch's)
     d = (logits - ref_logits).abs().max().item()
     plain = m(torch.tensor([ids]), use_cache=False).logits[0].float().detach()
     d_quant = (plain - ref_logits).abs().max().item()     # what the file's quantization itself moves
