@@ -20,9 +20,9 @@ INT8_TYPES = ("Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
 
 def q4_parts(g: GGUFFile, name: str):
     """(q uint8 [N, K], scale f32 [N, K/32], min f32 [N, K/32]) with w = q * scale + min,
-    exactly the tensor's values, for a type in INT4_TYPES."""
+    exactly the tensor's values, for a type in INT4_TYPES (experts [E, N, K]: E * N rows)."""
     info = g.tensors[name]
-    n, k = info.shape[1], info.shape[0]
+    n, k = int(np.prod(info.shape[1:])), info.shape[0]
     if info.type_name == "Q4_K":
         return q4k_parts(g.raw(name), n, k)
     blocks = torch.from_numpy(g.raw(name).copy()).view(-1, 20 if info.type_name == "Q4_1" else 18)
@@ -145,9 +145,10 @@ EXACT_INT8_TYPES = ("Q8_0", "Q5_0")
 
 def q8_parts(g: GGUFFile, name: str):
     """(q int8 [N, K], scale f16 [N, K/32]) of a Q8_0 or Q5_0 tensor, exactly its values:
-    Q8_0's blocks as stored, Q5_0's levels q - 16 (in [-16, 15]) with the block's d."""
+    Q8_0's blocks as stored, Q5_0's levels q - 16 (in [-16, 15]) with the block's d (experts
+    [E, N, K]: E * N rows)."""
     info = g.tensors[name]
-    n, k = info.shape[1], info.shape[0]
+    n, k = int(np.prod(info.shape[1:])), info.shape[0]
     raw = torch.from_numpy(g.raw(name).copy())
     if info.type_name == "Q5_0":
         d, q = _q5_0_levels(raw)

@@ -35,11 +35,12 @@ class Layer(NamedTuple):
     sh_gate: torch.Tensor | None = None    # the shared expert's output times sigmoid(h @ sh_gate.T) [1, dim]
 
 
-def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
+def build_layer(c, t: dict, i: int, fused: Callable[..., Linear], experts: Callable | None = None) -> Layer:
     """Layer i from the loader's tensors t (names "layers.{i}.<name>") and config c: what the
     layer carries is what its tensors say (biases, q/k norms, experts, sinks). fused(*names)
     is one Linear over those weights' rows concatenated (model.Llama's, which knows the
-    packing and the pack cache)."""
+    packing and the pack cache); experts(*names), where given, one Linear per expert of
+    those expert tensors (linear.experts), else the experts stay dense tensors."""
     p = f"layers.{i}."
     bias = torch.cat([t[p + "bq"], t[p + "bk"], t[p + "bv"]]) if p + "bq" in t else None
     qkn = None
@@ -50,9 +51,12 @@ def build_layer(c, t: dict, i: int, fused: Callable[..., Linear]) -> Layer:
     biases = tuple(t[p + n] for n in ("router_b", "gate_exps_b", "up_exps_b", "down_exps_b")) \
         if p + "router_b" in t else None
     act = swiglu_oai(c.swiglu_alpha, c.swiglu_limit) if c.act == "swiglu_oai" else None
-    moe = MoE(*(t[p + n] for n in ("router", "gate_exps", "up_exps", "down_exps")),
-              c.n_experts_used, c.moe_norm_topk, biases, act, c.moe_gating, t.get(p + "router_sb"),
-              c.moe_scale, (c.moe_groups, c.moe_groups_used)) if p + "router" in t else None
+    moe = None
+    if p + "router" in t:
+        packs = (experts("gate_exps", "up_exps"), experts("down_exps")) if experts else None
+        dense = (None,) * 3 if packs else tuple(t[p + n] for n in ("gate_exps", "up_exps", "down_exps"))
+        moe = MoE(t[p + "router"], *dense, c.n_experts_used, c.moe_norm_topk, biases, act, c.moe_gating,
+                  t.get(p + "router_sb"), c.moe_scale, (c.moe_groups, c.moe_groups_used), packs)
     # the dense MLP, or beside the experts the shared one (GLM-4.5)
     mlp = ("w_gate_sh", "w_up_sh", "w_down_sh") if p + "w_gate_sh" in t else \
         (None, None, None) if moe else ("w_gate", "w_up", "w_down")

@@ -119,6 +119,33 @@ def fuse(names, t, q4, q8, packed: bool, kernels, q8p=None) -> Linear:
     return Linear(w, int8=all(n in q4 or n in q8 for n in names), packed=packed, kernels=kernels)
 
 
+def experts(names, n: int, t, q4, q8, packed: bool, kernels, q8p=None, cache=None, key: str = "") -> list[Linear]:
+    """One Linear per expert of the expert tensors `names` ([E, N, K] each, concatenated along
+    N: gate|up, or down), made as fuse() makes a layer's from each expert's rows: the
+    kernels' packs of a quantized source's groups as stored where they can be, so the
+    experts take about the bytes the file gives them (a dense copy of Qwen3-30B-A3B's is
+    61 GB, its Q4_K_M file 18). cache (PackCache): the packs of an earlier load, f"{key}.{e}"."""
+    dtype = t["norm"].dtype
+    made = [cache.get(f"{key}.{e}") if cache else None for e in range(n)]
+    if all(m is not None for m in made):        # the sources are never read (their loads are lazy)
+        return [Linear.of(m, kernels, dtype) for m in made]
+    mode = "q8" if packed and q8p and all(x in q8p for x in names) else \
+        "q4" if packed and all(x in q4 for x in names) else "dense"
+    src = {x: (q8p if mode == "q8" else q4 if mode == "q4" else t)[x] for x in names}
+    out = []
+    for e in range(n):
+        if mode == "dense":
+            lin = fuse(names, {"norm": t["norm"], **{x: w[e] for x, w in src.items()}}, {}, q8, packed, kernels)
+        else:
+            rows = {x: tuple(part.view(n, -1, part.shape[-1])[e] for part in parts) for x, parts in src.items()}
+            lin = fuse(names, {"norm": t["norm"]}, rows if mode == "q4" else {}, q8, packed, kernels,
+                       rows if mode == "q8" else None)
+        if cache and lin.mat is not None and lin.mat.kind in QUANTIZED:
+            cache.put(f"{key}.{e}", lin.mat)
+        out.append(lin)
+    return out
+
+
 def pack_source(t, name: str, q4, q8, q8p, packed: bool):
     """native.Packed for one source tensor, from its quantized parts when it has them (no
     dense copy made), else from the dense tensor."""

@@ -268,11 +268,13 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             g.release(gname)
             x = tuple(unpermute(t, heads) for t in x) if heads else x
             return x if rot is None else tuple(rot(t) for t in x)
-        if info.type_name in INT4_TYPES and len(info.shape) == 2:
+        # experts [E, N, K] too: their parts are E * N rows (linear.experts slices them)
+        flat = len(info.shape) == 2 or (len(info.shape) == 3 and ours.endswith("_exps"))
+        if info.type_name in INT4_TYPES and flat:
             q4.later(ours, lambda parts=parts: parts(q4_parts))
         elif info.type_name in INT8_TYPES:
             q8.add(ours)
-            if info.type_name in EXACT_INT8_TYPES and len(info.shape) == 2:
+            if info.type_name in EXACT_INT8_TYPES and flat:
                 q8p.later(ours, lambda parts=parts: parts(q8_parts))
     if arch.fused or arch.fused_mlp or arch.linear_attn:
         for d in (tensors, q4, q8p):

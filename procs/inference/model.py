@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from procs.inference.graphs import GraphDecoder
 from procs.inference.layer import Layer, build_layer
 from procs.inference.loader import LoadedWeights
-from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, fuse, pack_source
+from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, experts as linear_experts, fuse, pack_source
 from procs.inference.cpu import bf16_products_fast
 from procs.inference.native import QUANTIZED
 from procs.inference.packcache import PackCache
@@ -95,7 +95,10 @@ class Llama:
                 if cache and lin.mat.kind in QUANTIZED:   # a dense one is its source as is
                     cache.put(key, lin.mat)
                 return lin
-            self.layers.append(build_layer(c, t, i, fused))
+            def experts(*names):
+                return linear_experts([p + n for n in names], c.n_experts, t, q4, q8, packed, kernels, q8p,
+                                      cache, p + "+".join(names))
+            self.layers.append(build_layer(c, t, i, fused, experts if packs else None))
             if packs and self.layers[-1].gdn is not None:    # its decode step in the kernels (gdn.c)
                 self.layers[-1].gdn.native = kernels.delta_step(self.layers[-1].gdn, self.dtype)
             # the layer's sources are fused copies now: dropped as we go, so a load peaks at
@@ -353,7 +356,7 @@ class Llama:
                 o = F.rms_norm(o, (c.dim,), ly.post_attn_norm, c.norm_eps)
             x = x + o
             h = F.rms_norm(x, (c.dim,), ly.ffn_norm, c.norm_eps)
-            o = ly.moe(h, mm) if ly.moe is not None else None       # only the chosen experts
+            o = ly.moe(h, mm, lin) if ly.moe is not None else None  # only the chosen experts
             if ly.wgu is not None:                                   # dense, or the shared expert
                 g, u = lin(ly.wgu, h).chunk(2, dim=-1)               # [T, ffn] each
                 d = lin(ly.wd, self.act(g) * u)

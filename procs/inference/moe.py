@@ -29,16 +29,23 @@ def swiglu_oai(alpha: float, limit: float) -> Callable[[torch.Tensor, torch.Tens
 class MoE:
     def __init__(self, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                  k: int, norm_topk: bool, biases: tuple | None = None, act=None, gating: str = "softmax",
-                 score_bias: torch.Tensor | None = None, scale: float = 1.0, groups: tuple[int, int] = (1, 1)):
-        """router [E, dim]; gate and up [E, ffn, dim]; down [E, dim, ffn]; biases (gpt-oss):
+                 score_bias: torch.Tensor | None = None, scale: float = 1.0, groups: tuple[int, int] = (1, 1),
+                 packs: tuple[list, list] | None = None):
+        """router [E, dim]; gate and up [E, ffn, dim]; down [E, dim, ffn], or packs: (gate|up,
+        down) as one linear.Linear per expert (the native kernels' packs; gate, up and down
+        are then None and never read); biases (gpt-oss):
         (router [E], gate [E, ffn], up [E, ffn], down [E, dim]) or None; act(gate, up): the
         gated activation (default SiLU(gate) * up). gating "sigmoid" (GLM-4.5): the router,
         f32, scores each expert by sigmoid, score_bias [E] is added for choosing only, the
         choice is made within the best groups[1] of groups[0] groups, and the chosen
         weights are times scale."""
         self.router = router
-        self.gate_up = torch.cat([gate, up], dim=1).contiguous()     # [E, 2*ffn, dim]
-        self.down = down.contiguous()
+        if packs is not None:
+            self.gate_up, self.down = packs
+        else:
+            self.gate_up = torch.cat([gate, up], dim=1).contiguous()     # [E, 2*ffn, dim]
+            self.down = down.contiguous()
+        self.packed = packs is not None
         self.k, self.norm_topk = k, norm_topk
         self.router_b = self.gate_up_b = self.down_b = None
         if biases is not None:
@@ -77,7 +84,9 @@ class MoE:
             weight = weight / weight.sum(dim=-1, keepdim=True)
         return weight * self.scale, chosen          # (DeepSeek-V2's routed_scaling_factor; 1 exactly elsewhere)
 
-    def __call__(self, h: torch.Tensor, mm: MatMul) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, mm: MatMul, lin=None) -> torch.Tensor:
+        """h [T, dim] -> [T, dim]; mm: the forward pass's matmul (router, dense experts),
+        lin(Linear, x): its call of a Linear (packed experts)."""
         T, dim = h.shape
         weight, chosen = self.route(h, mm)
         flat = chosen.flatten()                                                # pair j: token j // k
@@ -88,10 +97,12 @@ class MoE:
         for e, n in zip(experts.tolist(), counts.tolist()):
             pairs = order[start:start + n]
             start += n
-            gu = mm(h[pairs // self.k], self.gate_up[e])
+            x = h[pairs // self.k]
+            gu = lin(self.gate_up[e], x) if self.packed else mm(x, self.gate_up[e])
             if self.gate_up_b is not None:
                 gu = gu + self.gate_up_b[e]
-            o = mm(self.act(*gu.chunk(2, dim=-1)), self.down[e])
+            a = self.act(*gu.chunk(2, dim=-1))
+            o = lin(self.down[e], a) if self.packed else mm(a, self.down[e])
             out[pairs] = o if self.down_b is None else o + self.down_b[e]
         out, weight = out.view(T, self.k, dim), weight.to(h.dtype)
         acc = out[:, 0] * weight[:, :1]     # elementwise, choice by choice: no reduction kernel
