@@ -35,7 +35,7 @@ from procs.inference.native_gdn import binder
 log = logging.getLogger("ricordo.native")
 
 DIR = Path(__file__).with_name("kernels")
-SOURCES = ("attention.c", "prefill.c", "gemv.c", "qdot.c", "decode.c", "gdn.c")
+SOURCES = ("attention.c", "prefill.c", "gemv.c", "qdot.c", "decode.c", "gdn.c", "moe.c")
 HEADERS = ("kernels.h", "simd.h", "pairs.h")
 # -fassociative-math (with what it requires) lets the dot products and sums vectorize; a build
 # is still one fixed instruction sequence, so its results are deterministic.
@@ -86,7 +86,13 @@ class LayerW(ctypes.Structure):
                                                "ffn_norm", "post_ffn_norm")] + \
                [(n, Mat) for n in ("qkv", "wo", "gu", "down")] + \
                [(n, ctypes.c_int32) for n in ("window", "rope", "kv", "gated")] + \
-               [("gdn", ctypes.c_void_p), ("slot", ctypes.c_int32), ("pad", ctypes.c_int32)]
+               [("gdn", ctypes.c_void_p), ("slot", ctypes.c_int32), ("pad", ctypes.c_int32), ("moe", ctypes.c_void_p)]
+
+
+class MoeW(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("n", "k", "norm_topk", "ffn")] + \
+               [("scale", ctypes.c_float), ("pad", ctypes.c_int32), ("router", Mat)] + \
+               [(n, ctypes.c_void_p) for n in ("gu", "down", "sh_gate")]
 
 
 class ModelW(ctypes.Structure):
@@ -243,7 +249,10 @@ class Decoder:
                             ("post_ffn_norm", ly.post_ffn_norm)):
                 setattr(lw, name, f32(t))
             for name, lin in (("qkv", ly.wqkv), ("wo", ly.wo), ("gu", ly.wgu), ("down", ly.wd)):
-                setattr(lw, name, lin.mat.mat())
+                if lin is not None:         # (experts alone: no dense MLP)
+                    setattr(lw, name, lin.mat.mat())
+            if ly.moe is not None:
+                lw.moe = ctypes.addressof(self._moe(ly, f32))
             lw.window, lw.rope, lw.kv, lw.gated = ly.window, ly.rope, ly.kv, int(ly.gated)
             if ly.gdn is not None:      # its step's constants (gdn.c), as torch's decode path calls them
                 lw.gdn, lw.slot = ctypes.addressof(ly.gdn.native.w), ly.gdn.slot
@@ -251,7 +260,8 @@ class Decoder:
         self._layers = layers
         ropes = [(cos.contiguous(), sin.contiguous()) for cos, sin in model.rope]
         keep.extend(t for pair in ropes for t in pair)
-        m = self.m = ModelW(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, ACTS[c.act],
+        ffn = max([c.ffn_dim] + [ly.wgu.mat.mat().n // 2 for ly in model.layers if ly.wgu is not None])  # scratch
+        m = self.m = ModelW(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, ffn, ACTS[c.act],
                             int(model.dtype == torch.bfloat16), int(model.dtype == torch.bfloat16), 0,
                             c.norm_eps, model.scale)
         for i, (cos, sin) in enumerate(ropes + ropes[:1] * (2 - len(ropes))):
@@ -267,6 +277,18 @@ class Decoder:
             m.conv_slot, m.ssm_slot = step.state_values
         self.vocab = m.head.n
         self.scratch = torch.empty(0)
+
+    def _moe(self, ly, f32) -> MoeW:
+        """A layer's experts as moe.c reads them (kept alive with the decoder)."""
+        moe = ly.moe
+        router = pack(moe.router.contiguous())
+        gu = (Mat * len(moe.gate_up))(*(lin.mat.mat() for lin in moe.gate_up))
+        down = (Mat * len(moe.down))(*(lin.mat.mat() for lin in moe.down))
+        w = MoeW(len(moe.gate_up), moe.k, int(moe.norm_topk), moe.down[0].mat.mat().k, moe.scale, 0, router.mat(),
+                 ctypes.addressof(gu), ctypes.addressof(down),
+                 f32(None if ly.sh_gate is None else ly.sh_gate.reshape(-1)))
+        self._keep.extend([router, gu, down, w])
+        return w
 
     def __call__(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor, state=None) -> torch.Tensor:
         """One token of one sequence: the batch of one."""
@@ -390,11 +412,16 @@ class Kernels:
     def takes(model) -> bool:
         c = model.cfg
         return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32)
-                and not c.n_experts and not c.kv_lora and c.head_dim <= 256 and c.n_heads % c.n_kv_heads == 0
+                and (not c.n_experts or (c.moe_gating == "softmax" and c.act in ACTS))
+                and not c.kv_lora and c.head_dim <= 256 and c.n_heads % c.n_kv_heads == 0
                 and DecodeAttention.takes(c.n_heads // c.n_kv_heads, c.head_dim))
 
     def decoder(self, model) -> Decoder | None:
-        return Decoder(self.lib, model) if self.takes(model) else None
+        # experts: packed (linear.experts), softmax-routed without biases (moe.c)
+        experts = all(ly.moe is None or (ly.moe.packed and not ly.moe.sigmoid and ly.moe.router_b is None
+                                         and ly.moe.gate_up_b is None and ly.moe.down_b is None)
+                      for ly in model.layers)
+        return Decoder(self.lib, model) if self.takes(model) and experts else None
 
 
 @functools.lru_cache(maxsize=None)

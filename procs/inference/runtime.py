@@ -68,7 +68,8 @@ def explain(s: Settings, model) -> str:
         why = "auto: this CPU has no native bf16 (its bf16 GEMMs are emulated), so f32"
     if model.decoder is not None:
         kinds = sorted({native.KIND_NAMES[x.mat.kind] for ly in model.layers
-                        for x in (ly.wqkv, ly.wo, ly.wgu, ly.wd)})
+                        for x in (ly.wqkv, ly.wo, ly.wgu, ly.wd, *(ly.moe.gate_up + ly.moe.down if ly.moe else ()))
+                        if x is not None})
         path = f"decode: one native call per token on {'+'.join(kinds)} weights, f32 activations"
     elif dev == "cpu":
         path = "decode: torch's ops" + (" (mixture of experts)" if model.cfg.n_experts else

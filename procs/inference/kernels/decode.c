@@ -17,8 +17,6 @@
 
 #include "kernels.h"
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
-
 typedef struct {
     const float *attn_norm, *bqkv, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm;
     Mat qkv, wo, gu, down;        /* [(H+2KV)*D (+ H*D gate rows), dim], [dim, H*D], [2*ffn, dim], [dim, ffn];
@@ -27,6 +25,7 @@ typedef struct {
     int32_t kv, gated;            /* the layer's index into the K/V caches; an output gate (Qwen3-Next) */
     const GdnW *gdn;              /* a Gated DeltaNet in place of attention (NULL: attention) */
     int32_t slot, pad;            /* its index into the sequences' recurrent states */
+    const MoeW *moe;              /* experts (moe.c) beside gu/down (the shared expert; w NULL: none) */
 } LayerW;
 
 typedef struct {
@@ -96,7 +95,7 @@ static int residual(const Mat *w, int B, const float *in, long ld_in, const floa
 
 /* Scratch floats one activation row takes (every buffer of a step, but attention's) */
 static long row_floats(const ModelW *m) {
-    return 2L * m->dim + imax((2 * m->H + 2 * m->KV) * m->D, m->lin_in) + imax(m->H * m->D, m->lin_out) + 2L * m->ffn;
+    return 3L * m->dim + imax((2 * m->H + 2 * m->KV) * m->D, m->lin_in) + imax(m->H * m->D, m->lin_out) + 2L * m->ffn;
 }
 
 long decode_batch_scratch(const ModelW *m, int B, int S) {
@@ -123,7 +122,7 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
     const int QKV0 = (H + 2 * KV) * D;
     const long qkv_max = imax(QKV0 + H * D, m->lin_in), att_max = imax(H * D, m->lin_out);
     float *h = scratch, *o = h + (long)B * dim, *qkv = o + (long)B * dim, *att = qkv + (long)B * qkv_max;
-    float *gu = att + (long)B * att_max, *att_scratch = gu + (long)B * 2 * ffn;
+    float *gu = att + (long)B * att_max, *mo = gu + (long)B * 2 * ffn, *att_scratch = mo + (long)B * dim;
     const float *qs[B];
     const void *ks_[B], *vs_[B];
     float *outs[B];
@@ -189,17 +188,34 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
         if (residual(&L->wo, B, att, H * D, L->post_attn_norm, m->eps, dim, x, dim, o)) return -1;
     mlp:
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * dim, L->ffn_norm, m->eps, dim, h + (long)b * dim);
-        if (mat_mul(&L->gu, B, h, dim, gu, 2 * ffn)) return -1;
-        for (int b = 0; b < B; b++) {
-            float *g = gu + (long)b * 2 * ffn;
-            for (int i = 0; i < ffn; i++) {
-                const float a = m->act == ACT_GELU_TANH
-                    ? 0.5f * g[i] * (1.0f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i])))
-                    : g[i] / (1.0f + expf(-g[i]));
-                g[i] = a * g[ffn + i];
+        if (L->moe && moe_block(L->moe, B, h, dim, m->act, mo)) return -1;
+        if (L->gu.w) {              /* the dense MLP, or beside the experts the shared one */
+            const int f = L->gu.n / 2;
+            if (mat_mul(&L->gu, B, h, dim, gu, 2 * f)) return -1;
+            for (int b = 0; b < B; b++) {
+                float *g = gu + (long)b * 2 * f;
+                for (int i = 0; i < f; i++) g[i] = act_fn(m->act, g[i]) * g[f + i];
             }
+            if (mat_mul(&L->down, B, gu, 2 * f, o, dim)) return -1;
+            if (L->moe)
+                for (int b = 0; b < B; b++) {
+                    float *ob = o + (long)b * dim, s = 1.0f;
+                    const float *hb = h + (long)b * dim, *mb = mo + (long)b * dim;
+                    if (L->moe->sh_gate) {
+                        float d = 0.0f;
+                        for (int i = 0; i < dim; i++) d += hb[i] * L->moe->sh_gate[i];
+                        s = 1.0f / (1.0f + expf(-d));
+                    }
+                    for (int i = 0; i < dim; i++) ob[i] = mb[i] + ob[i] * s;
+                }
+        } else {
+            memcpy(o, mo, sizeof(float) * (size_t)B * dim);
         }
-        if (residual(&L->down, B, gu, 2 * ffn, L->post_ffn_norm, m->eps, dim, x, dim, o)) return -1;
+        for (int b = 0; b < B; b++) {
+            float *ob = o + (long)b * dim, *xb = x + (long)b * dim;
+            if (L->post_ffn_norm) rms_norm(ob, L->post_ffn_norm, m->eps, dim, ob);
+            for (int i = 0; i < dim; i++) xb[i] += ob[i];
+        }
     }
     for (int b = 0; b < B; b++) rms_norm(x + (long)b * dim, m->norm, m->eps, dim, h + (long)b * dim);
     return mat_mul(&m->head, B, h, dim, logits, m->head.n);

@@ -2,6 +2,7 @@
  * entry points of each source file (built together into one library by native.py). */
 #ifndef RICORDO_KERNELS_H
 #define RICORDO_KERNELS_H
+#include <math.h>
 #include <stdint.h>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -60,6 +61,28 @@ typedef struct {
  * scratch memory is refused. */
 int gdn_step(const GdnW *w, int B, const float *p, long ldp, void *const *conv, float *const *ssm,
              float *out, long ldo);
+
+/* A mixture-of-experts layer's weights (moe.c): softmax routing, the chosen experts'
+ * gated MLPs (SiLU or tanh-GELU, as the model's act) */
+typedef struct {
+    int32_t n, k, norm_topk, ffn;   /* experts, chosen per row, renormalize the chosen weights, an expert's ffn */
+    float scale;                    /* times each chosen weight */
+    int32_t pad;
+    Mat router;                     /* [n, dim] */
+    const Mat *gu, *down;           /* [n] each: [2*ffn, dim] (gate rows, then up), [dim, ffn] */
+    const float *sh_gate;           /* [dim]: the shared expert's output times sigmoid(h . sh_gate); NULL: 1 */
+} MoeW;
+
+/* out [B][dim] = the experts' weighted sum for the normed rows h [B][dim] (moe.c); 0, or -1
+ * when scratch memory is refused */
+int moe_block(const MoeW *w, int B, const float *h, int dim, int act, float *out);
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+static inline float act_fn(int act, float g) {
+    return act == ACT_GELU_TANH ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                                : g / (1.0f + expf(-g));
+}
 
 /* f16 scales and mins (kernels.h's Mat.s) to f32, exactly */
 static inline float f16_to_f32(uint16_t h) {

@@ -157,9 +157,9 @@ def test_batched_decode_equals_each_sequence_alone(build):
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
 def test_the_native_steps_are_the_torch_step(build, name, dtype):
     """The kernels' decode paths against gdn.py's torch ops on the same model and weights:
-    the DeltaNet step alone (kernels/gdn.c between torch's other ops; Qwen3-Next, whose experts
-    keep it off the whole-step decoder) and, for the dense Qwen3.5, decode.c's whole step
-    too. Three sessions decode in one batched step, grouped (qwen3_next) and tiled (qwen3_5)
+    the DeltaNet step alone (kernels/gdn.c between torch's other ops, as a model the
+    whole-step decoder declines runs it) and decode.c's whole step (Qwen3-Next's experts and
+    gated shared expert in moe.c). Three sessions decode in one batched step, grouped (qwen3_next) and tiled (qwen3_5)
     value heads, f32 and bf16: logits, convolution inputs and states agree to rounding, the
     whole step's row of a sequence is the one it computes for that sequence alone, bit for
     bit, and the step reads what the session holds (a changed state changes the next logits)."""
@@ -170,15 +170,13 @@ def test_the_native_steps_are_the_torch_step(build, name, dtype):
     for path in ("whole", "step", "torch"):
         model = models[path] = Llama(load(gguf_path, dtype, "cpu"), MAX_POS, kernels=kernels)
         assert all(ly.gdn.native is not None for ly in model.layers if ly.gdn)
-        assert (model.decoder is not None) == (name == "qwen3_5")     # experts: no whole step
+        assert model.decoder is not None
         if path != "whole":
             model.decoder = None
         if path == "torch":
             for ly in model.layers:
                 if ly.gdn:
                     ly.gdn.native = None
-    if name != "qwen3_5":
-        del models["whole"]
     ids = _prompt(name)
     runs = {}
     for path, model in models.items():
@@ -196,10 +194,11 @@ def test_the_native_steps_are_the_torch_step(build, name, dtype):
                 assert torch.equal(alone, rows[-1][1]), step
         runs[path] = torch.stack(rows), sess
     ref, s_t = runs.pop("torch")
-    # the whole step keeps f32 activations between ops where torch's bf16 path rounds each
-    tol = 1e-4 if dtype == torch.float32 else 0.05
     scale = ref.abs().max().item()
     for path, (ours, s_n) in runs.items():
+        # in bf16 the whole step keeps f32 activations between ops where torch's path rounds
+        # each one (measured 0.17-0.21 of |logits| ~4.6 here; gdn.c's step alone rounds as torch)
+        tol = 1e-4 if dtype == torch.float32 else 0.1 if path == "whole" else 0.05
         print(f"\n[{name} {dtype} {path}] max logit diff {(ours - ref).abs().max().item():.3g} of {scale:.3g}")
         assert (ours - ref).abs().max() < tol * max(1.0, scale)
         for a, b in zip(s_n, s_t):

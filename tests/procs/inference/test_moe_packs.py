@@ -4,7 +4,9 @@ the file's bytes (a dense copy would be 3.6-7x that), and answers as the same fi
 experts dequantized to dense tensors (torch's path, no kernels) do: within the int8
 activations' tolerance where the kernels multiply int8 (Q4, Q8), to f32 rounding where they
 do not (Q5_0's 5-bit groups), within a share of the file's own quantization error where the
-groups are requantized (Q5_1). A second load maps every expert's pack from the pack cache."""
+groups are requantized (Q5_1). A second load maps every expert's pack from the pack cache.
+The whole-step native decoder runs these experts (kernels/moe.c): a batch's rows are each
+sequence's row alone, bit for bit."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +15,7 @@ import torch
 
 from procs.inference import linear as linear_mod
 from procs.inference import native
-from procs.inference.kvsession import KVSession
+from procs.inference.kvsession import KVSession, decode_many
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.native import MAT_Q4, MAT_Q5, MAT_Q8
@@ -96,3 +98,34 @@ def test_quantized_experts_are_held_as_the_file_holds_them(files, tmp_path, monk
     monkeypatch.setattr(linear_mod, "fuse", boom)      # what linear.experts packs with
     again = Llama(load(path, torch.float32, "cpu"), MAX_POS, kernels=kernels, cache=PackCache(str(tmp_path / "packs")))
     assert torch.equal(answer(again), ours)
+
+
+def test_the_native_step_batches_experts_as_each_sequence_alone(files):
+    """Three sessions at different lengths decode in one step of decode.c (each expert read
+    once for the rows that chose it): each row equals that session decoding alone, bit for
+    bit, and is within the int8 activations' tolerance of torch's step on dense experts."""
+    path = files[T.Q4_0]
+    model = Llama(load(path, torch.float32, "cpu"), MAX_POS, kernels=native.load())
+    ref = Llama(load(path, torch.float32, "cpu"), MAX_POS)
+    assert model.decoder is not None and model.layers[0].moe.packed
+    ids = _prompt("qwen3moe")
+    runs = {}
+    for name, m in (("native", model), ("torch", ref)):
+        together = [KVSession(m, MAX_POS, 16) for _ in range(3)]
+        alone = [KVSession(m, MAX_POS, 16) for _ in range(3)]
+        for i, (a, b) in enumerate(zip(together, alone)):
+            a.prefill(ids[:10 + 9 * i])
+            b.prefill(ids[:10 + 9 * i])
+        rows = []
+        for step in range(4):
+            toks = [ids[(5 * i + step) % len(ids)] for i in range(3)]
+            batch = decode_many(together, toks)
+            for s, t, row in zip(alone, toks, batch):
+                one = s.decode(t)
+                if name == "native":
+                    assert torch.equal(one, row), step
+            rows.append(torch.stack(list(batch)))
+        runs[name] = torch.stack(rows)
+    d = (runs["native"] - runs["torch"]).abs().max().item()
+    print(f"\nbatched native step vs torch's on dense experts: {d:.3g}")
+    assert d < MOE_ACT_TOL
