@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from procs.inference.cpu import f32_gemms_split
-from procs.inference.native import QUANTIZED, pack
+from procs.inference.native import MAT_Q4, MAT_Q5, MAT_Q8, QUANTIZED, pack
 
 # Decode (a few rows) is bound by weight bytes read: it reads weight-only packed copies, 4-bit
 # (int4 groups of 32) or 8-bit (int8 rows), 2-4x fewer bytes than bf16 and up to 8x fewer than
@@ -20,6 +20,12 @@ PACKED_MAX_ROWS = 4
 # split depends on the weight's shape and the CPU only, so a row's value still does not depend
 # on how many rows the call has.
 SPLIT_N, SPLIT_MAX_K = 384, 1024
+# An expert's rows in a prefill are few (a chunk's tokens spread over the experts), and
+# dequantizing an expert for a GEMM costs more than the kernels' product up to this many rows
+# (Xeon, a 896x1024 expert, medians: int4 64 rows 0.44 ms against 0.76, int8 0.47 against
+# 1.26; Q5's 5-bit groups, which have no integer product, break even near 24 rows). Their
+# products take int8 activations, as decode's do (and llama.cpp's prefill).
+EXPERT_ROWS = {MAT_Q4: 64, MAT_Q8: 64, MAT_Q5: 16}
 
 
 def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -46,6 +52,7 @@ class Linear:
         into a shared buffer) instead of a second, dense copy beside it; w may then be None
         (dtype: the compute dtype)."""
         self._w, self.kernels, self.dtype = w, kernels, dtype if w is None else w.dtype
+        self.rows = PACKED_MAX_ROWS     # the most rows the kernels' product takes (else a GEMM)
         self.packed, self.kind, self.mat = None, "", None
         if kernels is not None:
             self.mat = pack(w, parts if packed else None, int8 and packed, q8 if packed else None)
@@ -93,7 +100,7 @@ class Linear:
         return self.kernels.rows(self.mat, dtype, scratch=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._w is None and x.shape[0] <= PACKED_MAX_ROWS:   # a quantized native copy, decode-sized
+        if self._w is None and x.shape[0] <= self.rows:   # a quantized native copy, decode-sized
             return self.kernels.mat_mul(self.mat, x).to(x.dtype)
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
             xb = x.to(torch.bfloat16)
@@ -128,7 +135,15 @@ def experts(names, n: int, t, q4, q8, packed: bool, kernels, q8p=None, cache=Non
     dtype = t["norm"].dtype
     made = [cache.get(f"{key}.{e}") if cache else None for e in range(n)]
     if all(m is not None for m in made):        # the sources are never read (their loads are lazy)
-        return [Linear.of(m, kernels, dtype) for m in made]
+        out = [Linear.of(m, kernels, dtype) for m in made]
+    else:
+        out = _make_experts(names, n, t, q4, q8, packed, kernels, q8p, cache, key)
+    for lin in out:
+        lin.rows = EXPERT_ROWS.get(lin.mat.kind, PACKED_MAX_ROWS)
+    return out
+
+
+def _make_experts(names, n, t, q4, q8, packed, kernels, q8p, cache, key) -> list[Linear]:
     mode = "q8" if packed and q8p and all(x in q8p for x in names) else \
         "q4" if packed and all(x in q4 for x in names) else "dense"
     src = {x: (q8p if mode == "q8" else q4 if mode == "q4" else t)[x] for x in names}

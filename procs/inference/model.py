@@ -210,7 +210,7 @@ class Llama:
             return dense(h.to(md), w.to(md))[:n].to(self.dtype)
 
         def lin(f: Linear, h: torch.Tensor) -> torch.Tensor:
-            if pad_to or (md is not self.dtype and h.shape[0] > PACKED_MAX_ROWS):
+            if pad_to or (md is not self.dtype and h.shape[0] > f.rows):
                 return mm(h, f.weight(md))
             return f(h)
         x = self.embed_rows(ids)                                               # [T, dim]
