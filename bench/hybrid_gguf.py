@@ -1,7 +1,9 @@
 """A random-weight GGUF of a Qwen3.5-like shape (Gated DeltaNet layers, three of four; the
 default model's vocabulary), written as llama.cpp's converter writes one, for comparing
 ricordo's speed on linear attention with llama.cpp's on the same file (bench/bench_model.py
---model PATH). Speed does not depend on the values; no released Qwen3.5 is on PyPI.
+--model PATH). Speed does not depend on the values (with --moe, which experts a token
+chooses does: a random router spreads tokens over the experts about evenly, as trained ones
+are balanced to); no released Qwen3.5 is on PyPI.
 
     .venv/bin/python bench/hybrid_gguf.py OUT.gguf [--layers 24] [--hidden 1024] [--qtype Q8_0] [--moe]
 """

@@ -147,10 +147,13 @@ def _make_experts(names, n, t, q4, q8, packed, kernels, q8p, cache, key) -> list
     mode = "q8" if packed and q8p and all(x in q8p for x in names) else \
         "q4" if packed and all(x in q4 for x in names) else "dense"
     src = {x: (q8p if mode == "q8" else q4 if mode == "q4" else t)[x] for x in names}
+    # dense: fuse() sees q4 for membership only (int8 groups when every part is quantized),
+    # never when it would take its parts (all in q4, packed off), which are the whole layer's
+    member = {} if all(x in q4 for x in names) else q4
     out = []
     for e in range(n):
         if mode == "dense":
-            lin = fuse(names, {"norm": t["norm"], **{x: w[e] for x, w in src.items()}}, {}, q8, packed, kernels)
+            lin = fuse(names, {"norm": t["norm"], **{x: w[e] for x, w in src.items()}}, member, q8, packed, kernels)
         else:
             rows = {x: tuple(part.view(n, -1, part.shape[-1])[e] for part in parts) for x, parts in src.items()}
             lin = fuse(names, {"norm": t["norm"]}, rows if mode == "q4" else {}, q8, packed, kernels,

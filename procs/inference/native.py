@@ -8,7 +8,8 @@ flags and CPU, cached on disk, loaded with ctypes.
   integer dot products on int8 activations; kernels/gemv.c for the rest): a torch step is
   ~1,000 small ops whose dispatch costs as much as the weight reads on a small model.
 - DeltaStep (native_gdn.py): a Gated DeltaNet layer's decode step between its projections
-  (kernels/gdn.c), for the linear-attention models the whole-step decoder does not take.
+  (kernels/gdn.c): the whole step's, and torch's step's where a model has no whole step.
+  The whole step takes softmax-routed experts too (kernels/moe.c).
 
 Built with -march=native, so the cache key includes the CPU's flags; a build that fails (no
 compiler) leaves decode on torch's kernels with one warning, never a failed start.

@@ -134,3 +134,23 @@ def test_the_native_step_batches_experts_as_each_sequence_alone(files):
     rows = (runs["native"] - runs["torch"]).abs().max(dim=-1).values.flatten()
     print(f"\nbatched native step vs torch's on dense experts: rows {[round(v, 3) for v in rows.tolist()]}")
     assert rows.median() < MOE_ACT_TOL / 2 and (rows > MOE_ACT_TOL).sum() <= 1      # (a flip: see MOE_ACT_TOL)
+
+
+def test_experts_of_mixed_types_are_requantized_not_dense():
+    """gate in 4 bits, up in another quantized type (a Q4_K_M file's mix): the fused expert
+    is int8 groups of the dequantized values (as fuse() packs a mixed layer), not a dense copy."""
+    from procs.inference.linear import experts
+    E, N, K = 3, 32, 64
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (E * N, K), dtype=torch.uint8, generator=g)
+    scale, mn = torch.rand(E * N, K // 32, generator=g) * 0.1, -torch.rand(E * N, K // 32, generator=g)
+    gate = (q.float() * scale.repeat_interleave(32, 1) + mn.repeat_interleave(32, 1)).view(E, N, K)
+    up = torch.randn(E, N, K, generator=g)
+    t = {"norm": torch.ones(K), "gate": gate, "up": up}
+    lins = experts(["gate", "up"], E, t, {"gate": (q, scale, mn)}, {"up"}, True, native.load())
+    for e, lin in enumerate(lins):
+        assert lin.mat.kind == MAT_Q8 and lin._w is None
+        want = torch.cat([gate[e], up[e]])
+        step = want.abs().view(2 * N, K // 32, 32).amax(-1).repeat_interleave(32, 1) / 127
+        # half an int8 step, and the f16 scale's rounding (127 levels x 2^-11 of a step)
+        assert ((lin.weight(torch.float32) - want).abs() <= 0.6 * step).all()
