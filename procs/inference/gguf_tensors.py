@@ -140,16 +140,27 @@ def _mxfp4(raw: torch.Tensor) -> torch.Tensor:
 
 
 # source types whose blocks of 32 are exactly int8 levels times one f16 scale (q8_parts)
-EXACT_INT8_TYPES = ("Q8_0", "Q5_0")
+EXACT_INT8_TYPES = ("Q8_0", "Q5_0", "MXFP4")
 
 
 def q8_parts(g: GGUFFile, name: str):
-    """(q int8 [N, K], scale f16 [N, K/32]) of a Q8_0 or Q5_0 tensor, exactly its values:
-    Q8_0's blocks as stored, Q5_0's levels q - 16 (in [-16, 15]) with the block's d (experts
+    """(q int8 [N, K], scale f16 [N, K/32]) of a Q8_0, Q5_0 or MXFP4 tensor, exactly its values:
+    Q8_0's blocks as stored, Q5_0's levels q - 16 (in [-16, 15]) with the block's d, MXFP4's
+    e2m1 values doubled (integers in [-12, 12]) with half the block's power of two (experts
     [E, N, K]: E * N rows)."""
     info = g.tensors[name]
     n, k = int(np.prod(info.shape[1:])), info.shape[0]
     raw = torch.from_numpy(g.raw(name).copy())
+    if info.type_name == "MXFP4":
+        b = raw.view(-1, 17)
+        lut = torch.tensor([int(2 * v) for v in E2M1], dtype=torch.int8)
+        q = torch.cat([lut[(b[:, 1:] & 0x0F).long()], lut[(b[:, 1:] >> 4).long()]], dim=1)
+        # 2^(s - 128) is exact in f16 from 2^-24 to 2^15: a scale below (values under 1e-6)
+        # becomes 0, one above (values over 2^18) cannot be a trained weight's
+        d = torch.exp2(b[:, 0].float() - 128)
+        if bool((d > 2.0 ** 15).any()):
+            raise ValueError(f"{name}: an MXFP4 block scale past f16's range")
+        return q.view(n, k), d.to(torch.float16).view(n, k // 32)
     if info.type_name == "Q5_0":
         d, q = _q5_0_levels(raw)
         return q.to(torch.int8).view(n, k), d.view(n, k // 32)

@@ -272,9 +272,9 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
         flat = len(info.shape) == 2 or (len(info.shape) == 3 and ours.endswith("_exps"))
         if info.type_name in INT4_TYPES and flat:
             q4.later(ours, lambda parts=parts: parts(q4_parts))
-        elif info.type_name in INT8_TYPES:
+        elif info.type_name in INT8_TYPES or (info.type_name == "MXFP4" and flat):
             q8.add(ours)
-            if info.type_name in EXACT_INT8_TYPES and flat:
+            if info.type_name in EXACT_INT8_TYPES and flat:     # (MXFP4's levels are integers too)
                 q8p.later(ours, lambda parts=parts: parts(q8_parts))
     if arch.fused or arch.fused_mlp or arch.linear_attn:
         for d in (tensors, q4, q8p):

@@ -154,3 +154,27 @@ def test_experts_of_mixed_types_are_requantized_not_dense():
         step = want.abs().view(2 * N, K // 32, 32).amax(-1).repeat_interleave(32, 1) / 127
         # half an int8 step, and the f16 scale's rounding (127 levels x 2^-11 of a step)
         assert ((lin.weight(torch.float32) - want).abs() <= 0.6 * step).all()
+
+
+def test_mxfp4_experts_are_exact_five_bit_groups(tmp_path):
+    """gpt-oss's MXFP4 experts (GGUF): e2m1 values doubled are integers in [-12, 12] and the
+    block's power of two halved is an f16, so each expert is a pack of 5-bit groups holding
+    the file's values exactly (1.29x the file's 4.25 bits, not a dense copy), and the model
+    answers as on dense experts to f32 rounding (5-bit groups multiply f32 activations)."""
+    m = _hf_model("gpt_oss")
+    path = str(tmp_path / "mxfp4.gguf")
+    _write_gguf(m, path, CASES["gpt_oss"][2], experts_qtype=T.MXFP4)
+    model = Llama(load(path, torch.float32, "cpu"), MAX_POS, kernels=native.load())
+    ref_model = Llama(load(path, torch.float32, "cpu"), MAX_POS)
+    held = 0
+    for ly, ref_ly in zip(model.layers, ref_model.layers):
+        assert ly.moe.packed
+        for lin, dense in zip((*ly.moe.gate_up, *ly.moe.down), (*ref_ly.moe.gate_up, *ref_ly.moe.down)):
+            assert lin.mat.kind == MAT_Q5 and lin._w is None
+            assert torch.equal(lin.weight(torch.float32), dense)
+            held += lin.mat.w.nbytes + lin.mat.s.nbytes
+    print(f"\n[MXFP4] experts held in {held} bytes; the file's {expert_bytes(path)}")
+    assert held <= 1.35 * expert_bytes(path)
+    ids = _prompt("gpt_oss")
+    got = [KVSession(x, MAX_POS, 16).prefill(ids, logits_at=[PROMPT])[PROMPT] for x in (model, ref_model)]
+    assert (got[0] - got[1]).abs().max() < EXACT_TOL
