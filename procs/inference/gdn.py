@@ -11,8 +11,8 @@ Per token t and value head h (k and q heads shared by nv / nk value heads):
     out = W_out (RMSNorm(o) * w * SiLU(z))
 
 Decode runs that recurrence; prefill runs it a block of BLOCK tokens at a time in the
-equivalent closed form (the "chunked" delta rule: triangular solves for every block of a
-chunk at once, then a few matrix products per block), blocks aligned to absolute positions. The value heads are in one of
+equivalent closed form (the "chunked" delta rule: one triangular solve per block, matrix
+products for the rest), blocks aligned to absolute positions. The value heads are in one of
 two orders: grouped (Hugging Face's: value head h reads key head h // (nv / nk)) or tiled
 (llama.cpp's qwen35: h % nk); the loader keeps each architecture's own and says which
 (ModelConfig.ssm_tiled), so a state is always in its model's order.
@@ -79,48 +79,29 @@ def delta_step(q, k, v, g, beta, S):
     return o
 
 
-def delta_chunk(q, k, v, g, beta, S, pos: int = 0):
-    """n tokens at once from absolute position pos, the recurrence's closed form per block of
-    BLOCK tokens (blocks aligned to multiples of BLOCK): q, k [H, n, dk], v [H, n, dv], g, beta
-    [H, n] (f32); S [H, dk, dv] updated in place. Returns o [H, n, dv].
+def delta_block(q, k, v, g, beta, S):
+    """n <= BLOCK tokens at once, the recurrence's closed form: q, k [H, n, dk], v [H, n, dv],
+    g, beta [H, n] (f32); S [H, dk, dv] updated in place. Returns o [H, n, dv].
 
-    Within a block, with G the cumulative decay and D_ij = exp(G_i - G_j) (i >= j), the values
-    each token writes, u_i = beta_i (v_i - S_{i-1}^T k_i), solve the unit lower triangular
-    system (I + L) u = beta (v - exp(G) k S) with L_ij = beta_i (k_i . k_j) D_ij below the
-    diagonal, so u = U - W S with U = (I + L)^-1 beta v and W = (I + L)^-1 beta exp(G) k,
-    which do not depend on S: they are solved for every block of the chunk at once, and only
-    o = exp(G) q S + (q k^T o D) u and S' = exp(G_n) S + (exp(G_n - G) k)^T u run block by
-    block. The chunk is padded to whole blocks with tokens that change nothing (g = 0: no
-    decay; beta, q, k, v = 0: no write)."""
-    H, n, dk = q.shape
-    dv = v.shape[-1]
-    lead = pos % BLOCK
-    nb = -(-(lead + n) // BLOCK)
-
-    def grid(t):                                   # [H, n, ...] -> [H, nb, BLOCK, ...], padded with 0
-        pad = [0, 0] * (t.dim() - 2) + [lead, nb * BLOCK - lead - n]
-        return F.pad(t, pad).view(H, nb, BLOCK, *t.shape[2:])
-    q, k, v, g, beta = (grid(t) for t in (q, k, v, g, beta))
-    G = g.cumsum(-1)                                                  # [H, nb, B]
-    low = torch.ones(BLOCK, BLOCK, dtype=torch.bool, device=q.device).tril()
-    D = torch.where(low, G[..., :, None] - G[..., None, :], -torch.inf).exp()   # 0 above the diagonal
-    eG = G.exp()[..., None]                                           # [H, nb, B, 1]
-    L = ((k @ k.transpose(-1, -2)) * D * beta[..., None]).tril(-1) + torch.eye(BLOCK, device=q.device)
-    UW = torch.linalg.solve_triangular(L, torch.cat([v, eG * k], -1) * beta[..., None], upper=False,
-                                       unitriangular=True)
-    U, W = UW.split([dv, dk], -1)
-    A = (q @ k.transpose(-1, -2)) * D                                 # [H, nb, B, B], lower with the diagonal
-    last = G[..., -1:]                                                # [H, nb, 1]
-    kdec = ((last - G).exp()[..., None] * k).transpose(-1, -2)        # [H, nb, dk, B]
-    WQ = torch.cat([W, eG * q], dim=2)                                # [H, nb, 2B, dk]: one product with S
-    eL = last.exp()[..., None]                                        # [H, nb, 1, 1]
-    out = torch.empty(H, nb, BLOCK, dv, dtype=q.dtype, device=q.device)
-    for b in range(nb):
-        X = WQ[:, b] @ S                                              # [H, 2B, dv]: W S, then exp(G) q S
-        u = U[:, b] - X[:, :BLOCK]
-        out[:, b] = torch.baddbmm(X[:, BLOCK:], A[:, b], u)
-        S.mul_(eL[:, b]).baddbmm_(kdec[:, b], u)
-    return out.view(H, nb * BLOCK, dv)[:, lead:lead + n]
+    With G the cumulative decay within the block and D_ij = exp(G_i - G_j) (i >= j), the
+    values each token writes, u_i = beta_i (v_i - S_{i-1}^T k_i), solve the unit lower
+    triangular system (I + L) u = beta (v - exp(G) S^T k) with L_ij = beta_i (k_i . k_j)
+    D_ij below the diagonal; then o = exp(G) q S + (q k^T o D, lower with the diagonal) u
+    and S' = exp(G_n) S + (exp(G_n - G) k)^T u."""
+    n = q.shape[1]
+    G = g.cumsum(-1)                                                  # [H, n]
+    D = (G[:, :, None] - G[:, None, :])
+    low = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    D = torch.where(low, D, torch.full_like(D, -torch.inf)).exp()      # [H, n, n], 0 above
+    eG = G.exp()[:, :, None]                                          # [H, n, 1]
+    kk = (k @ k.transpose(1, 2)) * D * beta[:, :, None]
+    L = kk.tril(-1) + torch.eye(n, dtype=q.dtype, device=q.device)
+    rhs = beta[:, :, None] * (v - eG * (k @ S))
+    u = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)   # [H, n, dv]
+    o = eG * (q @ S) + ((q @ k.transpose(1, 2)) * D) @ u
+    last = G[:, -1:]                                                   # [H, 1]
+    S.mul_(last.exp()[:, :, None]).add_(((last - G).exp()[:, :, None] * k).transpose(1, 2) @ u)
+    return o
 
 
 class GatedDeltaNet:
@@ -168,8 +149,16 @@ class GatedDeltaNet:
             if n == 1:
                 out[r0] = delta_step(q[0], k[0], v[0], g[r0], beta[r0], S)
                 continue
+            # blocks end at absolute multiples of BLOCK, as prefill's chunks do
+            ends = sorted({*range((pos // BLOCK + 1) * BLOCK, pos + n, BLOCK), pos + n})
+            lo = pos
             qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))         # [H, n, d]
-            out[r0:r0 + n] = delta_chunk(qh, kh, vh, g[r0:r0 + n].t(), beta[r0:r0 + n].t(), S, pos).transpose(0, 1)
+            gh, bh = g[r0:r0 + n].t(), beta[r0:r0 + n].t()
+            for hi in ends:
+                s = slice(lo - pos, hi - pos)
+                out[r0 + s.start:r0 + s.stop] = delta_block(qh[:, s], kh[:, s], vh[:, s], gh[:, s], bh[:, s],
+                                                            S).transpose(0, 1)
+                lo = hi
         # rounded to the compute dtype first, as transformers' kernel returns it
         o = F.rms_norm(out.to(h.dtype).float(), (self.dv,), None, self.eps).to(h.dtype) * self.norm
         o = (o.float() * F.silu(z.float().view(T, self.nv, self.dv))).to(h.dtype)
