@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from procs.inference.cpu import f32_gemms_split
-from procs.inference.native import MAT_Q4, MAT_Q5, MAT_Q8, QUANTIZED, pack
+from procs.inference.packs import MAT_Q4, MAT_Q5, MAT_Q8, QUANTIZED, pack
 
 # Decode (a few rows) is bound by weight bytes read: it reads weight-only packed copies, 4-bit
 # (int4 groups of 32) or 8-bit (int8 rows), 2-4x fewer bytes than bf16 and up to 8x fewer than

@@ -268,8 +268,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             g.release(gname)
             x = tuple(unpermute(t, heads) for t in x) if heads else x
             return x if rot is None else tuple(rot(t) for t in x)
-        # experts [E, N, K] too: their parts are E * N rows (linear.experts slices them)
-        flat = len(info.shape) == 2 or (len(info.shape) == 3 and ours.endswith("_exps"))
+        flat = len(info.shape) == 2 or ours.endswith("_exps")     # experts: E * N rows (linear.experts)
         if info.type_name in INT4_TYPES and flat:
             q4.later(ours, lambda parts=parts: parts(q4_parts))
         elif info.type_name in INT8_TYPES or (info.type_name == "MXFP4" and flat):
