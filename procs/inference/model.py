@@ -65,19 +65,19 @@ class Llama:
             # count is new every step (H200, torch 2.11: 38 of a 41 ms step at 4,000 tokens).
             # Flash / memory-efficient / math take any shape without planning.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        # attention sinks (gpt-oss) are torch's ops only (torch_attention.sink_attention)
+        # attention sinks (gpt-oss): the kernels' attention takes them; elsewhere torch's ops
+        # (torch_attention.sink_attention)
         self.sinks = any(n.endswith(".sinks") for n in t)
         fits = kernels is not None and kernels.attention.takes(c.n_heads // c.n_kv_heads, c.head_dim) \
-            and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu" and not self.sinks
+            and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu"
         self.attend = kernels.attention if fits else _decode_attention
         self.prefill_attend = kernels.prefill if native_prefill and fits \
             and kernels.prefill.takes(c.n_heads // c.n_kv_heads, c.head_dim) else None
-        # the native decoder has no attention output bias (gpt-oss's, a Seed-OSS with one); a
-        # model it declines (experts, latent or linear attention, sinks) still keeps its
-        # linears packed once, as the kernels pack them, and decodes them with the kernels'
-        # products (Linear.__call__); only the whole step is torch's then
+        # a model the native decoder declines (latent attention) still keeps its linears
+        # packed once, as the kernels pack them, and decodes them with the kernels' products
+        # (Linear.__call__); only the whole step is torch's then
         packs = kernels is not None and self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
-        native = packs and kernels.takes(self) and not any(n.endswith(".bo") for n in t)
+        native = packs and kernels.takes(self)
         self.kernels = kernels if packs else None
         self.layers = []
         q4, q8, q8p = w.q4 or {}, w.q8, w.q8_parts or {}
@@ -240,9 +240,11 @@ class Llama:
         def attend(li: int, ly: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc[li, :, pos:S] = k.transpose(0, 1)                               # [KV, T, D]
             vc[li, :, pos:S] = v.view(T, KV, D).transpose(0, 1)
-            if T > 1 and not pad_to and self.prefill_attend is not None:
-                return self.prefill_attend(q, kc[li], vc[li], pos, ly.window, self.scale, self.pairs)  # [T, H*D]
+            if T > 1 and not pad_to and self.prefill_attend is not None:     # [T, H*D]
+                return self.prefill_attend(q, kc[li], vc[li], pos, ly.window, self.scale, self.pairs, ly.sinks)
             ks, mask = keys(ly.window)
+            if T == 1 and not pad_to and self.device.type == "cpu":
+                return self.attend(q[0], kc[li, :, ks:S], vc[li, :, ks:S], self.scale, sinks=ly.sinks)  # [1, H*D]
             if ly.sinks is not None:
                 if pad_to:   # exact mode's blocks, as below
                     qp = F.pad(q, (0, 0, 0, 0, 0, nq - T))
@@ -250,8 +252,6 @@ class Llama:
                                                      mask[a:a + EXACT_Q], self.scale, ly.sinks)
                                       for a in range(0, nq, EXACT_Q)])[:T]
                 return sink_attention(q, kc[li, :, ks:S], vc[li, :, ks:S], mask, self.scale, ly.sinks)
-            if T == 1 and not pad_to and self.device.type == "cpu":
-                return self.attend(q[0], kc[li, :, ks:S], vc[li, :, ks:S], self.scale)  # [1, H*D]
             qh = q.transpose(0, 1).unsqueeze(0)                                # [1, H, T, D]
             if pad_to:
                 qh = F.pad(qh, (0, 0, 0, nq - T))
@@ -301,11 +301,11 @@ class Llama:
                 kc[li, :, p] = k[b]
                 vc[li, :, p] = v[b].view(KV, D)
                 ks = max(0, p - ly.window + 1) if ly.window else 0
-                if ly.sinks is not None:
+                if self.device.type == "cpu":
+                    out.append(self.attend(q[b], kc[li, :, ks:p + 1], vc[li, :, ks:p + 1], self.scale, sinks=ly.sinks))
+                elif ly.sinks is not None:
                     out.append(sink_attention(q[b:b + 1], kc[li, :, ks:p + 1], vc[li, :, ks:p + 1], None,
                                               self.scale, ly.sinks))
-                elif self.device.type == "cpu":
-                    out.append(self.attend(q[b], kc[li, :, ks:p + 1], vc[li, :, ks:p + 1], self.scale))
                 else:
                     o = F.scaled_dot_product_attention(q[b].unsqueeze(1).unsqueeze(0), kc[li:li + 1, :, ks:p + 1],
                                                        vc[li:li + 1, :, ks:p + 1], enable_gqa=True, scale=self.scale)

@@ -48,7 +48,7 @@ MARCH = os.environ.get("RICORDO_KERNEL_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 CC = os.environ.get("CC", "gcc")
-ACTS = {"silu": 0, "gelu_tanh": 1}                  # decode.c ACT_*
+ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # kernels.h ACT_*
 
 
 def _build(cache_dir: Path) -> Path:
@@ -78,13 +78,17 @@ class LayerW(ctypes.Structure):
                                                "ffn_norm", "post_ffn_norm")] + \
                [(n, Mat) for n in ("qkv", "wo", "gu", "down")] + \
                [(n, ctypes.c_int32) for n in ("window", "rope", "kv", "gated")] + \
-               [("gdn", ctypes.c_void_p), ("slot", ctypes.c_int32), ("pad", ctypes.c_int32), ("moe", ctypes.c_void_p)]
+               [("gdn", ctypes.c_void_p), ("slot", ctypes.c_int32), ("pad", ctypes.c_int32), ("moe", ctypes.c_void_p),
+                ("bo", ctypes.c_void_p), ("sinks", ctypes.c_void_p)]
 
 
 class MoeW(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in ("n", "k", "norm_topk", "ffn")] + \
-               [("scale", ctypes.c_float), ("pad", ctypes.c_int32), ("router", Mat)] + \
-               [(n, ctypes.c_void_p) for n in ("gu", "down", "sh_gate")]
+               [("scale", ctypes.c_float), ("sigmoid", ctypes.c_int32), ("router", Mat)] + \
+               [(n, ctypes.c_void_p) for n in ("gu", "down", "sh_gate")] + \
+               [("groups", ctypes.c_int32), ("groups_used", ctypes.c_int32), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float)] + \
+               [(n, ctypes.c_void_p) for n in ("router_b", "score_b", "gu_b", "down_b")]
 
 
 class ModelW(ctypes.Structure):
@@ -129,7 +133,7 @@ class Decoder:
                 qn, kn = ly.qk_norm[0], ly.qk_norm[c.n_heads]
             for name, t in (("attn_norm", ly.attn_norm), ("bqkv", ly.bqkv), ("q_norm", qn), ("k_norm", kn),
                             ("post_attn_norm", ly.post_attn_norm), ("ffn_norm", ly.ffn_norm),
-                            ("post_ffn_norm", ly.post_ffn_norm)):
+                            ("post_ffn_norm", ly.post_ffn_norm), ("bo", ly.bo), ("sinks", ly.sinks)):
                 setattr(lw, name, f32(t))
             for name, lin in (("qkv", ly.wqkv), ("wo", ly.wo), ("gu", ly.wgu), ("down", ly.wd)):
                 if lin is not None:         # (experts alone: no dense MLP)
@@ -167,9 +171,12 @@ class Decoder:
         router = pack(moe.router.contiguous())
         gu = (Mat * len(moe.gate_up))(*(lin.mat.mat() for lin in moe.gate_up))
         down = (Mat * len(moe.down))(*(lin.mat.mat() for lin in moe.down))
-        w = MoeW(len(moe.gate_up), moe.k, int(moe.norm_topk), moe.down[0].mat.mat().k, moe.scale, 0, router.mat(),
-                 ctypes.addressof(gu), ctypes.addressof(down),
-                 f32(None if ly.sh_gate is None else ly.sh_gate.reshape(-1)))
+        c = self.model.cfg
+        w = MoeW(len(moe.gate_up), moe.k, int(moe.norm_topk), moe.down[0].mat.mat().k, moe.scale, int(moe.sigmoid),
+                 router.mat(), ctypes.addressof(gu), ctypes.addressof(down),
+                 f32(None if ly.sh_gate is None else ly.sh_gate.reshape(-1)), *moe.groups,
+                 c.swiglu_alpha, c.swiglu_limit, f32(moe.router_b), f32(moe.score_bias), f32(moe.gate_up_b),
+                 f32(moe.down_b))
         self._keep.extend([router, gu, down, w])
         return w
 
@@ -294,16 +301,13 @@ class Kernels:
     @staticmethod
     def takes(model) -> bool:
         c = model.cfg
-        return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32)
-                and (not c.n_experts or (c.moe_gating == "softmax" and c.act in ACTS))
+        return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32) and c.act in ACTS
                 and not c.kv_lora and c.head_dim <= 256 and c.n_heads % c.n_kv_heads == 0
                 and DecodeAttention.takes(c.n_heads // c.n_kv_heads, c.head_dim))
 
     def decoder(self, model) -> Decoder | None:
-        # experts: packed (linear.experts), softmax-routed without biases (moe.c)
-        experts = all(ly.moe is None or (ly.moe.packed and not ly.moe.sigmoid and ly.moe.router_b is None
-                                         and ly.moe.gate_up_b is None and ly.moe.down_b is None)
-                      for ly in model.layers)
+        # experts: packed (linear.experts), as moe.c reads them
+        experts = all(ly.moe is None or ly.moe.packed for ly in model.layers)
         return Decoder(self.lib, model) if self.takes(model) and experts else None
 
 

@@ -14,6 +14,15 @@ def takes(G: int, D: int) -> bool:
     return 1 <= G <= MAXG and 1 <= D <= MAXD
 
 
+def _sinks(sinks: torch.Tensor | None, H: int) -> int | None:
+    """The kernels' sinks argument: the address of H contiguous float32 logits, or NULL."""
+    if sinks is None:
+        return None
+    if sinks.dtype != torch.float32 or not sinks.is_contiguous() or sinks.numel() != H:
+        raise ValueError(f"sinks must be {H} contiguous float32 logits")
+    return sinks.data_ptr()
+
+
 def _check_kv(k: torch.Tensor, v: torch.Tensor, D: int, what: str) -> None:
     if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(2) != 1 or k.stride(1) != D \
             or v.stride() != k.stride() or v.dtype != k.dtype:
@@ -22,13 +31,14 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor, D: int, what: str) -> None:
 
 class DecodeAttention:
     """q [H, D] against k, v [KV, S, D] (views of the cache: rows contiguous, heads strided)
-    -> [1, H*D] in q's dtype. The same contract as model._decode_attention."""
+    -> [1, H*D] in q's dtype; sinks: float32 [H] or None (gpt-oss's). The same contract as
+    torch_attention.decode_attention."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.fn = lib.decode_attention
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_int] * 4 + \
-            [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 3
         self.size = lib.decode_attention_scratch
         self.size.restype = ctypes.c_long
         self.size.argtypes = [ctypes.c_int] * 4
@@ -36,7 +46,8 @@ class DecodeAttention:
 
     takes = staticmethod(takes)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         H, D = q.shape
         KV, S = k.shape[0], k.shape[1]
         _check_kv(k, v, D, "decode")
@@ -46,7 +57,7 @@ class DecodeAttention:
         qf = q.float().contiguous()
         out = torch.empty(H * D)
         rc = self.fn(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), KV, H // KV, D, S,
-                     scale, int(k.dtype == torch.bfloat16), out.data_ptr(), self.scratch.data_ptr())
+                     scale, int(k.dtype == torch.bfloat16), _sinks(sinks, H), out.data_ptr(), self.scratch.data_ptr())
         if rc:
             raise ValueError(f"native decode attention does not take G={H // KV}, D={D}")
         return out.to(q.dtype).view(1, H * D)
@@ -57,18 +68,19 @@ class PrefillAttention:
     rows 0..pos+T-1 written) -> [T, H*D] in q's dtype: causal, window > 0 a sliding window
     (kernels/prefill.c). Each row's bits do not depend on how the prompt was split. pairs:
     bf16 K/V multiplied as bf16 pairs where the kernels were built with them (q and the
-    weights rounded to bf16), else widened to f32 (the f32 kernel's products on the same values)."""
+    weights rounded to bf16), else widened to f32 (the f32 kernel's products on the same values).
+    sinks: float32 [H] or None (gpt-oss's)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.fn = lib.prefill_attention
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_int] * 7 + \
-            [ctypes.c_float, ctypes.c_void_p]
+            [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
 
     takes = staticmethod(takes)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: int,
-                 scale: float, pairs: bool = True) -> torch.Tensor:
+                 scale: float, pairs: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
         T, H, D = q.shape
         KV = k.shape[0]
         _check_kv(k, v, D, "prefill")
@@ -78,7 +90,7 @@ class PrefillAttention:
         out = torch.empty(T, H * D)
         kind = (1 if pairs else 2) if k.dtype == torch.bfloat16 else 0     # prefill.c's bf16 argument
         rc = self.fn(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), kind,
-                     KV, H // KV, D, T, pos, window, scale, out.data_ptr())
+                     KV, H // KV, D, T, pos, window, scale, _sinks(sinks, H), out.data_ptr())
         if rc:
             raise ValueError(f"native prefill attention does not take G={H // KV}, D={D}")
         return out.to(q.dtype)

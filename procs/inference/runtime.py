@@ -72,11 +72,11 @@ def explain(s: Settings, model) -> str:
                         if x is not None})
         path = f"decode: one native call per token on {'+'.join(kinds)} weights, f32 activations"
     elif dev == "cpu":
-        path = "decode: torch's ops" + (" (mixture of experts)" if model.cfg.n_experts else
+        path = "decode: torch's ops" + (" (latent attention)" if model.cfg.kv_lora else
                                         " (--decode-kernels torch, or the kernels did not build)")
     else:
         path = "decode: torch's ops on the device"
-    att = "native" if model.prefill_attend is not None else \
+    att = "native" + (" with sinks" if model.sinks else "") if model.prefill_attend is not None else \
         "torch's ops with sinks" if model.sinks else "torch's SDPA"
     math = ""
     if model.dtype == torch.bfloat16 and dev == "cpu":

@@ -22,16 +22,19 @@ def causal_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int, dtype) -> t
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+                      mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query row against S keys (the CPU's decode; graph_step.static_step's on any device):
     q [H, D], k and v [KV, S, D] -> [1, H*D];
-    mask: float32 [S] added to the scores (graph_step.static_step's: -inf where a row is not to be seen).
+    mask: float32 [S] added to the scores (graph_step.static_step's: -inf where a row is not to be seen);
+    sinks: float32 [H] (gpt-oss's; sink_attention).
     The H/KV query heads that share a K/V head go as one small GEMM per K/V head. SDPA's CPU
     path for a single bf16 row is 4-15x slower (2 threads, avx512_bf16: 14.9 against 1.0 ms
     per layer at 23k keys; f32 alike), and at an agent's context attention is most of a
     decode step. Softmax in f32, as SDPA does."""
     H, D = q.shape
     KV = k.shape[0]
+    if sinks is not None:
+        return sink_attention(q.unsqueeze(0), k, v, None if mask is None else mask.view(1, -1), scale, sinks)
     s = torch.bmm(q.view(KV, H // KV, D), k.transpose(1, 2)).float() * scale  # [KV, G, S]
     if mask is not None:
         s = s + mask

@@ -252,7 +252,8 @@ static inline void locate(long t, int B, const long *start, const int *chunks, c
 
 /* B sequences' single-query attention in one parallel region. Sequence b: queries q [KV*G][D]
  * f32, head h's row r of K at k + h*head_stride + r*D (elements; likewise V), S rows, out
- * [KV*G][D]. lead[b] = a < b with shared[b] > 0: the first shared[b] whole chunks of b's rows
+ * [KV*G][D]. sinks [KV*G] (NULL: none): each query head's learned logit (gpt-oss), one more
+ * term of its softmax's denominator that weighs no value. lead[b] = a < b with shared[b] > 0: the first shared[b] whole chunks of b's rows
  * are bit for bit a's (the caller has compared them), so they are read once, from a, for
  * every query of the group; lead[b] = b: none shared. Each sequence's partials are combined
  * in its own chunk order, so row b is what it gives alone, whatever else runs. scratch: the
@@ -260,7 +261,8 @@ static inline void locate(long t, int B, const long *start, const int *chunks, c
  * MAXG/MAXD. */
 int decode_attention_many(int B, const float *const *q, const void *const *k, const void *const *v,
                           const long *head_stride, const int *S, const int *lead, const int *shared, int KV,
-                          int G, int D, float scale, int bf16, float *const *out, float *scratch) {
+                          int G, int D, float scale, int bf16, const float *sinks, float *const *out,
+                          float *scratch) {
     if (G > MAXG || D > MAXD || B < 1) return -1;
     const long psize = (long)G * (D + 2), esz = bf16 ? 2 : 4;
     int chunks[B], own[B];
@@ -326,8 +328,9 @@ int decode_attention_many(int B, const float *const *q, const void *const *k, co
     for (long t = 0; t < (long)B * KV * G; t++) {
         const int b = (int)(t / (KV * G)), h = (int)(t / G % KV), g = (int)(t % G), nc = chunks[b];
         const float *base = scratch + off[b] + (long)h * nc * psize + g * (D + 2);
-        float m = -FLT_MAX, l = 0.0f, *o = out[b] + ((long)h * G + g) * D;
+        float m = sinks ? sinks[h * G + g] : -FLT_MAX, l = 0.0f, *o = out[b] + ((long)h * G + g) * D;
         for (int c = 0; c < nc; c++) m = base[c * psize + D] > m ? base[c * psize + D] : m;
+        if (sinks) l = expf(sinks[h * G + g] - m);
         memset(o, 0, sizeof(float) * D);
         for (int c = 0; c < nc; c++) {
             const float *p = base + c * psize, w = expf(p[D] - m);
@@ -342,13 +345,13 @@ int decode_attention_many(int B, const float *const *q, const void *const *k, co
 
 /* One sequence: q [KV*G][D] f32; k, v: head h's row r at base + h*head_stride + r*D
  * (elements), S rows; out [KV*G][D] f32; scratch: decode_attention_scratch(KV, G, D, S)
- * floats. bf16: 1 for bfloat16 K/V, 0 for float32. Returns 0, or -1 for shapes past
- * MAXG/MAXD. */
+ * floats. bf16: 1 for bfloat16 K/V, 0 for float32; sinks: as decode_attention_many's.
+ * Returns 0, or -1 for shapes past MAXG/MAXD. */
 int decode_attention(const float *q, const void *k, const void *v, long head_stride, int KV, int G,
-                     int D, int S, float scale, int bf16, float *out, float *scratch) {
+                     int D, int S, float scale, int bf16, const float *sinks, float *out, float *scratch) {
     const int none = 0, self = 0;
-    return decode_attention_many(1, &q, &k, &v, &head_stride, &S, &self, &none, KV, G, D, scale, bf16, &out,
-                                 scratch);
+    return decode_attention_many(1, &q, &k, &v, &head_stride, &S, &self, &none, KV, G, D, scale, bf16, sinks,
+                                 &out, scratch);
 }
 
 /* Whether a model's grouping (query heads per K/V head) and head dim fit the task buffers. */

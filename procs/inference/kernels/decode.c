@@ -7,9 +7,9 @@
  * an OpenMP fork per matrix (the serial parts are vectors of a few thousand floats).
  *
  * What a layer carries arrives as optional pointers (NULL: the architecture has none), the
- * same facts procs/inference/layer.Layer holds; a mixture-of-experts layer is not taken here
- * (native.py leaves such models on torch's path). A Gated DeltaNet layer (Qwen3.5) runs its
- * projections here and the rest in gdn.c, on each sequence's recurrent state.
+ * same facts procs/inference/layer.Layer holds. Experts run in moe.c; a Gated DeltaNet layer
+ * (Qwen3.5) runs its projections here and the rest in gdn.c, on each sequence's recurrent
+ * state.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,6 +26,8 @@ typedef struct {
     const GdnW *gdn;              /* a Gated DeltaNet in place of attention (NULL: attention) */
     int32_t slot, pad;            /* its index into the sequences' recurrent states */
     const MoeW *moe;              /* experts (moe.c) beside gu/down (the shared expert; w NULL: none) */
+    const float *bo;              /* [dim]: the attention output's bias (gpt-oss) */
+    const float *sinks;           /* [H]: each head's sink logit (gpt-oss; attention.c) */
 } LayerW;
 
 typedef struct {
@@ -80,13 +82,15 @@ static void store_rows(void *cache, int bf16, long at, const float *src, int D) 
 
 static inline int imax(int a, int b) { return a > b ? a : b; }
 
-/* x[b] += post_norm(W in[b]) for B rows: a block's output projection and its residual
- * (o: scratch rows of x's stride) */
-static int residual(const Mat *w, int B, const float *in, long ld_in, const float *post_norm, float eps,
-                    int dim, float *x, long ld, float *o) {
+/* x[b] += post_norm(W in[b] + bias) for B rows: a block's output projection and its residual
+ * (o: scratch rows of x's stride; bias NULL: none) */
+static int residual(const Mat *w, const float *bias, int B, const float *in, long ld_in, const float *post_norm,
+                    float eps, int dim, float *x, long ld, float *o) {
     if (mat_mul(w, B, in, ld_in, o, ld)) return -1;
     for (int b = 0; b < B; b++) {
         float *ob = o + b * ld, *xb = x + b * ld;
+        if (bias)
+            for (int i = 0; i < dim; i++) ob[i] += bias[i];
         if (post_norm) rms_norm(ob, post_norm, eps, dim, ob);
         for (int i = 0; i < dim; i++) xb[i] += ob[i];
     }
@@ -140,7 +144,7 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
                 ss[b] = ssm[b] + L->slot * m->ssm_slot;
             }
             if (gdn_step(L->gdn, B, qkv, m->lin_in, cs, ss, att, m->lin_out)) return -1;
-            if (residual(&L->wo, B, att, m->lin_out, L->post_attn_norm, m->eps, dim, x, dim, o)) return -1;
+            if (residual(&L->wo, NULL, B, att, m->lin_out, L->post_attn_norm, m->eps, dim, x, dim, o)) return -1;
             goto mlp;
         }
         const int QKV = QKV0 + (L->gated ? H * D : 0);
@@ -177,7 +181,7 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
             }
         }
         if (decode_attention_many(B, qs, ks_, vs_, head_stride, rows, ld, sh, KV, H / KV, D, m->scale, m->kv_bf16,
-                                  outs, att_scratch))
+                                  L->sinks, outs, att_scratch))
             return -1;
         if (L->gated)               /* Qwen3-Next's output gate: the rows after q|k|v */
             for (int b = 0; b < B; b++) {
@@ -185,7 +189,7 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
                 const float *g = qkv + (long)b * QKV + QKV0;
                 for (int i = 0; i < H * D; i++) a[i] /= 1.0f + expf(-g[i]);
             }
-        if (residual(&L->wo, B, att, H * D, L->post_attn_norm, m->eps, dim, x, dim, o)) return -1;
+        if (residual(&L->wo, L->bo, B, att, H * D, L->post_attn_norm, m->eps, dim, x, dim, o)) return -1;
     mlp:
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * dim, L->ffn_norm, m->eps, dim, h + (long)b * dim);
         if (L->moe && moe_block(L->moe, B, h, dim, m->act, mo)) return -1;

@@ -38,11 +38,12 @@ int mat_mul_q(const Mat *m, int B, const float *x, long ldx, float *y, long ldy)
 void q_row(const Mat *m, long r, void *dst, int bf16);
 
 int decode_attention(const float *q, const void *k, const void *v, long head_stride, int KV, int G,
-                     int D, int S, float scale, int bf16, float *out, float *scratch);
+                     int D, int S, float scale, int bf16, const float *sinks, float *out, float *scratch);
 long decode_attention_scratch(int KV, int G, int D, int S);
 int decode_attention_many(int B, const float *const *q, const void *const *k, const void *const *v,
                           const long *head_stride, const int *S, const int *lead, const int *shared, int KV,
-                          int G, int D, float scale, int bf16, float *const *out, float *scratch);
+                          int G, int D, float scale, int bf16, const float *sinks, float *const *out,
+                          float *scratch);
 
 /* A Gated DeltaNet layer's constants (gdn.c; procs/inference/native_gdn.py builds them) */
 typedef struct {
@@ -62,22 +63,28 @@ typedef struct {
 int gdn_step(const GdnW *w, int B, const float *p, long ldp, void *const *conv, float *const *ssm,
              float *out, long ldo);
 
-/* A mixture-of-experts layer's weights (moe.c): softmax routing, the chosen experts'
- * gated MLPs (SiLU or tanh-GELU, as the model's act) */
+/* A mixture-of-experts layer's weights (moe.c): the router's choice (softmax over every
+ * expert, or sigmoid scores plus a bias within the best groups), the chosen experts' gated
+ * MLPs (SiLU, tanh-GELU or gpt-oss's clamped SwiGLU, as the model's act), optional biases */
 typedef struct {
     int32_t n, k, norm_topk, ffn;   /* experts, chosen per row, renormalize the chosen weights, an expert's ffn */
     float scale;                    /* times each chosen weight */
-    int32_t pad;
+    int32_t sigmoid;                /* 0: softmax over all n; 1: sigmoid scores, score_b added to choose */
     Mat router;                     /* [n, dim] */
     const Mat *gu, *down;           /* [n] each: [2*ffn, dim] (gate rows, then up), [dim, ffn] */
     const float *sh_gate;           /* [dim]: the shared expert's output times sigmoid(h . sh_gate); NULL: 1 */
+    int32_t groups, groups_used;    /* sigmoid: experts only from the best groups_used of groups (a group's
+                                       score: its two best); 1, 1: no groups */
+    float alpha, limit;             /* ACT_SWIGLU_OAI's */
+    const float *router_b, *score_b; /* [n] each (NULL: none): the router's bias; sigmoid's choosing bias */
+    const float *gu_b, *down_b;     /* [n][2*ffn], [n][dim] (NULL: none): the experts' biases */
 } MoeW;
 
 /* out [B][dim] = the experts' weighted sum for the normed rows h [B][dim] (moe.c); 0, or -1
  * when scratch memory is refused */
 int moe_block(const MoeW *w, int B, const float *h, int dim, int act, float *out);
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_SWIGLU_OAI = 2 };
 
 static inline float act_fn(int act, float g) {
     return act == ACT_GELU_TANH ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))

@@ -197,7 +197,7 @@ static long task_floats(int G, int D) {
 }
 
 static void task(const float *q, const char *k, const char *v, long esz, int bf16, int H, int G, int D,
-                 int pos, int t0, int nt, int window, float scale, float *out, float *buf) {
+                 int pos, int t0, int nt, int window, float scale, const float *sinks, float *out, float *buf) {
     const int rows = nt * G;
     float *Q = buf, *O = Q + (long)rows * D, *S = O + (long)rows * D, *kr = S + (long)rows * NK;
     float *kt = kr + (long)NK * D, *vb = kt + (long)NK * D, *m = vb + (long)NK * D, *l = m + rows;
@@ -263,7 +263,11 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
     }
     for (int r = 0; r < rows; r++) {
         float *dst = out + (long)(t0 + r / G) * H * D + (long)(r % G) * D;
-        const float inv = 1.0f / l[r];
+        float inv = 1.0f / l[r];
+        if (sinks) {      /* the sink's term joins the denominator: rescaled to a common max */
+            const float s = sinks[r % G], top = s > m[r] ? s : m[r], a = expf(m[r] - top);
+            inv = a / (l[r] * a + expf(s - top));
+        }
         for (int d = 0; d < D; d++) dst[d] = O[(long)r * D + d] * inv;
     }
 }
@@ -273,9 +277,11 @@ static void task(const float *q, const char *k, const char *v, long esz, int bf1
  * f32 K/V; 1 for bf16 K/V, the products on bf16 pairs where built (PAIRS); 2 for bf16 K/V
  * widened to f32 whatever was built (where the CPU's pair products are no faster than its
  * FMAs: Intel's avx512_bf16 without AMX). window > 0: a row at p sees keys p-window+1..p.
- * Returns 0, or -1 for shapes past MAXG/MAXD or a failed allocation. */
+ * sinks [KV*G] (NULL: none): each query head's learned logit (gpt-oss), one more term of its
+ * softmax's denominator that weighs no value. Returns 0, or -1 for shapes past MAXG/MAXD or a
+ * failed allocation. */
 int prefill_attention(const float *q, const void *k, const void *v, long head_stride, int bf16, int KV, int G,
-                      int D, int T, int pos, int window, float scale, float *out) {
+                      int D, int T, int pos, int window, float scale, const float *sinks, float *out) {
     if (G < 1 || G > MAXG || D < 1 || D > MAXD || T < 1 || pos < 0 || window < 0) return -1;
     const long esz = bf16 ? 2 : 4, nb = (T + QB - 1) / QB, ntask = (long)KV * nb;
     int failed = 0;
@@ -293,7 +299,7 @@ int prefill_attention(const float *q, const void *k, const void *v, long head_st
             if (buf)
                 task(q + (long)h * G * D, (const char *)k + h * head_stride * esz,
                      (const char *)v + h * head_stride * esz, esz, bf16, KV * G, G, D, pos, t0, nt, window,
-                     scale, out + (long)h * G * D, buf);
+                     scale, sinks ? sinks + (long)h * G : NULL, out + (long)h * G * D, buf);
         }
         free(buf);
     }

@@ -1,8 +1,9 @@
 """gpt-oss beyond the parity of tests/procs/inference/test_architectures.py (whose tiny random
 model and GGUF these reuse): each part of its math matters to the logits (so the parity test
 would catch it missing), its experts load from MXFP4 (the released checkpoints' format, in
-either file) to transformers' logits on the same values, and the attention with sinks equals
-the eager reference on shapes the tiny model does not reach.
+either file) to transformers' logits on the same values, and the attention with sinks (torch's
+ops, and the native kernels' decode and prefill) equals the eager reference on shapes the tiny
+model does not reach.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from procs.inference import native
 from procs.inference.archs import hf_gpt_oss
 from procs.inference.gguf_tensors import mxfp4_rows
 from procs.inference.hf_files import read_safetensors
@@ -142,3 +144,31 @@ def test_sink_attention_equals_the_eager_reference(dtype, window, monkeypatch):
     # one decode row, no mask: the last query's row
     one = sink_attention(q[-1:], k, v, None if not window else mask[-1:].to(dtype), D ** -0.5, sinks).float()
     assert (one - want[-1:]).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 40])
+def test_native_attention_with_sinks_equals_the_eager_reference(dtype, window):
+    """The kernels' decode attention (keys past one 128-row chunk, so its partials combine with
+    the sink) and prefill attention (rows resumed at a position, blocks of 64 keys), grouped
+    heads, a window or none, sinks that take most of the weight for some heads: the eager
+    reference's values; without the sinks they would differ."""
+    kernels = native.load()
+    assert kernels is not None, "the native kernels did not build"
+    g = torch.Generator().manual_seed(5)
+    T, S, H, KV, D = 37, 300, 8, 2, 64
+    pos = S - T
+    q, k, v = (torch.randn(*shape, generator=g).to(dtype) for shape in ((T, H, D), (KV, S, D), (KV, S, D)))
+    sinks = torch.randn(H, generator=g) * 3
+    scale = D ** -0.5
+    mask = causal_mask(torch.arange(pos, S).unsqueeze(1), torch.arange(S), window, torch.float32)
+    want = _eager(q, k, v, mask, scale, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    got = kernels.prefill(q, k, v, pos, window, scale, sinks=sinks).float()
+    assert (got - want).abs().max().item() < tol
+    first = max(0, S - window) if window else 0
+    one = kernels.attention(q[-1], k[:, first:], v[:, first:], scale, sinks=sinks).float()
+    assert (one - want[-1:]).abs().max().item() < tol
+    plain = kernels.attention(q[-1], k[:, first:], v[:, first:], scale).float()
+    assert (plain - one).abs().max().item() > 0.05          # the sinks took their share
+    assert (kernels.prefill(q, k, v, pos, window, scale).float() - got).abs().max().item() > 0.05

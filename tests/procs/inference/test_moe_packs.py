@@ -6,7 +6,9 @@ activations' tolerance where the kernels multiply int8 (Q4, Q8), to f32 rounding
 do not (Q5_0's 5-bit groups), within a share of the file's own quantization error where the
 groups are requantized (Q5_1). A second load maps every expert's pack from the pack cache.
 The whole-step native decoder runs these experts (kernels/moe.c): a batch's rows are each
-sequence's row alone, bit for bit."""
+sequence's row alone, bit for bit; it takes gpt-oss's (biases, its clamped SwiGLU, beside
+attention sinks and an output bias) and GLM-4.5's (sigmoid scores chosen with a bias within
+groups) as torch's step computes them."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +22,7 @@ from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.native import MAT_Q4, MAT_Q5, MAT_Q8
 from procs.inference.packcache import PackCache
-from tests.procs.inference.tiny_models import CASES, MAX_POS, PROMPT, _hf_model, _prompt, _write_gguf
+from tests.procs.inference.tiny_models import CASES, MAX_POS, PROMPT, _hf_model, _prompt, _write_gguf, build  # noqa: F401
 
 gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
@@ -178,3 +180,68 @@ def test_mxfp4_experts_are_exact_five_bit_groups(tmp_path):
     ids = _prompt("gpt_oss")
     got = [KVSession(x, MAX_POS, 16).prefill(ids, logits_at=[PROMPT])[PROMPT] for x in (model, ref_model)]
     assert (got[0] - got[1]).abs().max() < EXACT_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["gpt_oss", "glm4moe"])
+def test_the_whole_step_takes_gpt_oss_and_glm(build, name, dtype):
+    """decode.c's whole step against torch's step on the same packed weights: gpt-oss (sinks,
+    the output bias, windows of 8 at positions past them, router and expert biases, the clamped
+    SwiGLU) and GLM-4.5 (sigmoid scores plus a bias, within the better of two groups, times
+    2.5, a shared expert). Three sessions in one batched step: the logits agree to rounding
+    (bf16: the whole step keeps f32 activations where torch's rounds each op, and a near tie of
+    two experts may then choose the other), a row equals
+    its sequence alone bit for bit, and the parts are read (no sinks, no biases: other logits)."""
+    _, _, _, gguf_path = build(name)
+    kernels = native.load()
+    assert kernels is not None, "the native kernels did not build"
+    models = {}
+    for path in ("whole", "torch"):
+        model = models[path] = Llama(load(gguf_path, dtype, "cpu"), MAX_POS, kernels=kernels)
+        assert model.decoder is not None and all(ly.moe.packed for ly in model.layers if ly.moe)
+        if path == "torch":
+            model.decoder = None
+    ids = _prompt(name)
+    runs = {}
+    for path, model in models.items():
+        sess = [KVSession(model, MAX_POS, 16) for _ in range(3)]
+        for i, s in enumerate(sess):
+            s.prefill(ids[:12 + 9 * i])
+        solo = KVSession(model, MAX_POS, 16)
+        solo.copy_prefix(sess[1], len(sess[1]))
+        rows = []
+        for step in range(5):
+            toks = [ids[30 + i] + step for i in range(3)]
+            rows.append(torch.stack(list(decode_many(sess, toks))))
+            alone = solo.decode(toks[1])
+            if path == "whole":
+                assert torch.equal(alone, rows[-1][1]), step
+        runs[path] = torch.stack(rows)
+    ref, ours = runs["torch"], runs["whole"]
+    scale = ref.abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    rows = (ours - ref).abs().amax(dim=-1).flatten()      # per (step, sequence)
+    print(f"\n[{name} {dtype}] whole step vs torch's, rows: {[round(r, 3) for r in rows.tolist()]} of {scale:.3g}")
+    bound = tol * max(1.0, scale)
+    if dtype == torch.float32:
+        assert rows.max() < bound
+    else:   # a near tie of two experts' scores may go the other way once rounded (GLM: 1 row of 15 seen)
+        assert rows.median() < bound / 2 and (rows > bound).sum() <= 1
+    whole = models["whole"]
+    s = KVSession(whole, MAX_POS, 16)
+    s.prefill(ids[:30])
+    base = s.decode(ids[30])
+    parts = [ly.sinks for ly in whole.layers if ly.sinks is not None] + \
+        [t for ly in whole.layers if ly.moe for t in (ly.moe.router_b, ly.moe.score_bias, ly.moe.gate_up_b)
+         if t is not None]
+    assert parts
+    keep = [t.clone() for t in parts]
+    for t in parts:          # the decoder's f32 copies of these: rebuilt on the zeroed tensors
+        t.zero_()
+    whole.decoder = kernels.decoder(whole)
+    s2 = KVSession(whole, MAX_POS, 16)
+    s2.prefill(ids[:30])
+    changed = s2.decode(ids[30])
+    for t, k in zip(parts, keep):
+        t.copy_(k)
+    assert (changed - base).abs().max() > 0.05     # one path both times: any difference is theirs
