@@ -71,11 +71,23 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int,
 
 # --- model FLOPs ------------------------------------------------------------------------
 
+def _numel(lin) -> int:
+    if lin.mat is not None:       # a native pack: its shape, without dequantizing it
+        m = lin.mat.mat()
+        return m.n * m.k
+    return lin.w.numel()
+
+
 def linear_params(model: Llama) -> tuple[int, int]:
-    """(params in the per-layer linear layers, params in lm_head)."""
+    """(params a token multiplies in the per-layer linear layers: the chosen experts' only,
+    params in lm_head)."""
     per = 0
     for ly in model.layers:
-        per += sum(lin.w.numel() for lin in (ly.wqkv, ly.wo, ly.wgu, ly.wd))
+        per += sum(_numel(lin) for lin in (ly.wqkv, ly.wo, ly.wgu, ly.wd) if lin is not None)
+        if ly.moe is not None:
+            gu, down = ly.moe.gate_up, ly.moe.down
+            each = _numel(gu[0]) + _numel(down[0]) if ly.moe.packed else gu[0].numel() + down[0].numel()
+            per += ly.moe.k * each
     return per, model.cfg.vocab_size * model.cfg.dim
 
 
@@ -198,7 +210,10 @@ def run(args) -> dict:
                     "linear_params": lin, "lm_head_params": head,
                     "decode_path": "native" if model.decoder is not None else "torch",
                     "prefill_attention": "native" if model.prefill_attend is not None else "sdpa",
-                    "decode_weights": sorted({weight_kind(x) for ly in model.layers for x in (ly.wqkv, ly.wo, ly.wgu, ly.wd)})}
+                    "decode_weights": sorted({weight_kind(x) for ly in model.layers
+                                              for x in (ly.wqkv, ly.wo, ly.wgu, ly.wd,
+                                                        *(ly.moe.gate_up + ly.moe.down if ly.moe and ly.moe.packed else ()))
+                                              if x is not None})}
     if loads:
         res["load_s"] = statistics.median(load_times)
         res["load_samples_s"] = load_times
