@@ -129,6 +129,26 @@ def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return vals.flatten(-2)
 
 
+def mxfp4_scale(sbytes: torch.Tensor, name: str) -> torch.Tensor:
+    """MXFP4 block scale bytes as f16 halves of their powers of two, 2^(s - 128), the scale of
+    the doubled (integer) levels: exact in f16 from 2^-24 to 2^15; a scale below (values under
+    1e-6) becomes 0, one above (values over 2^18) cannot be a trained weight's."""
+    d = torch.exp2(sbytes.float() - 128)
+    if bool((d > 2.0 ** 15).any()):
+        raise ValueError(f"{name}: an MXFP4 block scale past f16's range")
+    return d.to(torch.float16)
+
+
+def mxfp4_levels(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An HF MXFP4 tensor (mxfp4_rows' layout) as q8_parts gives a GGUF's: (q int8 [rows, K],
+    the e2m1 values doubled, integers in [-12, 12]; scale f16 [rows, K/32]), leading dims
+    (experts) folded into the rows."""
+    lut = torch.tensor([int(2 * v) for v in E2M1], dtype=torch.int8)
+    q = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)    # [..., G, 16, 2]
+    rows = int(np.prod(blocks.shape[:-2]))
+    return q.reshape(rows, -1), mxfp4_scale(scales, name).reshape(rows, -1)
+
+
 def _mxfp4(raw: torch.Tensor) -> torch.Tensor:
     """GGUF's MXFP4 blocks (17 bytes: the scale byte, then 16 bytes whose low nibbles are
     values 0-15 and high nibbles 16-31) -> float32 [blocks, 32], the gguf package's values."""
@@ -155,12 +175,7 @@ def q8_parts(g: GGUFFile, name: str):
         b = raw.view(-1, 17)
         lut = torch.tensor([int(2 * v) for v in E2M1], dtype=torch.int8)
         q = torch.cat([lut[(b[:, 1:] & 0x0F).long()], lut[(b[:, 1:] >> 4).long()]], dim=1)
-        # 2^(s - 128) is exact in f16 from 2^-24 to 2^15: a scale below (values under 1e-6)
-        # becomes 0, one above (values over 2^18) cannot be a trained weight's
-        d = torch.exp2(b[:, 0].float() - 128)
-        if bool((d > 2.0 ** 15).any()):
-            raise ValueError(f"{name}: an MXFP4 block scale past f16's range")
-        return q.view(n, k), d.to(torch.float16).view(n, k // 32)
+        return q.view(n, k), mxfp4_scale(b[:, 0], name).view(n, k // 32)
     if info.type_name == "Q5_0":
         d, q = _q5_0_levels(raw)
         return q.to(torch.int8).view(n, k), d.view(n, k // 32)

@@ -9,27 +9,31 @@ import struct
 import numpy as np
 import torch
 
-from procs.inference.gguf_tensors import mxfp4_rows
 from procs.inference.rope import ModelLoadError
 
 
-def gpt_oss_experts(st: dict) -> None:
+def gpt_oss_experts(st: dict) -> dict:
     """gpt-oss's HF experts in place as stacked [E, rows, cols] linears (GGUF's layout, the
     names of Arch.hf_names): gate_up_proj [E, dim, 2*ffn] (gate and up interleaved by
-    column) and down_proj [E, ffn, dim] transposed, or their MXFP4 *_blocks / *_scales
-    (the released checkpoints: rows already out-major) dequantized."""
+    column) and down_proj [E, ffn, dim] transposed. The released checkpoints' MXFP4
+    *_blocks / *_scales (rows already out-major) are not expanded here: they are returned,
+    {name: (blocks [E, rows, G, 16], scales [E, rows, G])}, and their names left out of st,
+    for the loader to read as levels (the native kernels' exact 5-bit groups) or, only where
+    asked, as dense values."""
+    mx = {}
     for key in [k for k in st if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_blocks"))]:
         p = key[:key.index("mlp.experts.") + len("mlp.experts.")]
         if key.endswith("_blocks"):
-            gu = mxfp4_rows(st.pop(key), st.pop(p + "gate_up_proj_scales"))                   # [E, 2F, dim]
-            st[p + "down_proj"] = mxfp4_rows(st.pop(p + "down_proj_blocks"), st.pop(p + "down_proj_scales"))
+            gb, gs = st.pop(key), st.pop(p + "gate_up_proj_scales")                           # [E, 2F, ...]
+            mx[p + "gate_proj"], mx[p + "up_proj"] = (gb[:, 0::2], gs[:, 0::2]), (gb[:, 1::2], gs[:, 1::2])
+            mx[p + "down_proj"] = st.pop(p + "down_proj_blocks"), st.pop(p + "down_proj_scales")
         else:
             gu = st.pop(key).transpose(1, 2)
-            st[p + "down_proj"] = st[p + "down_proj"].transpose(1, 2)
-        st[p + "gate_proj"], st[p + "up_proj"] = gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous()
-        st[p + "down_proj"] = st[p + "down_proj"].contiguous()
+            st[p + "gate_proj"], st[p + "up_proj"] = gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous()
+            st[p + "down_proj"] = st[p + "down_proj"].transpose(1, 2).contiguous()
         b = st.pop(p + "gate_up_proj_bias")                                                   # [E, 2F]
         st[p + "gate_proj_bias"], st[p + "up_proj_bias"] = b[:, 0::2].contiguous(), b[:, 1::2].contiguous()
+    return mx
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 
 from common.gguf_file import GGUFError, GGUFFile
 from procs.inference.gguf_tensors import (EXACT_INT8_TYPES, INT4_TYPES, INT8_TYPES, Lazy, dequant, dequant_to,
-                                          q4_parts, q8_parts)
+                                          mxfp4_levels, mxfp4_rows, q4_parts, q8_parts)
 from procs.inference.hf_files import gpt_oss_experts, read_safetensors, text_tensors
 from procs.inference.rows import (ROTATED, grouped_rows, mla_rows, rotary_perm, rotary_rows, split_fused,
                                   tile_v_heads, unpermute)
@@ -319,9 +319,10 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
             raise ModelLoadError(f"{path}: logit soft-capping is not supported")
     elif arch.fused:
         extra = hf_phi3(c, head_dim, path)
+    mx = {}
     if arch.name == "gpt-oss":
         extra = hf_gpt_oss(c, head_dim, path)
-        gpt_oss_experts(st)
+        mx = gpt_oss_experts(st)
     elif arch.mla:     # DeepSeek-V2's router has no score bias; V3's and GLM-4.7-Flash's have
         arch = replace(arch, score_bias=any(k.endswith("e_score_correction_bias") for k in st))
         extra = hf_mla(c, path)
@@ -357,8 +358,13 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
     for i in range(cfg.n_layers):
         for ours in layer_names(arch, i < cfg.dense_layers, cfg.is_linear(i)):
             names[f"model.layers.{i}.{tensor_name(arch, ours, 0)}"] = f"layers.{i}.{ours}"
-    tensors, norms = {}, {}
+    tensors, q8p, norms = Lazy(), Lazy(), {}
     for hf, ours in names.items():
+        if hf in mx:     # MXFP4 experts: levels for the kernels' packs, dense values only if read
+            blocks, scales = mx[hf]
+            tensors.later(ours, lambda b=blocks, s=scales: mxfp4_rows(b, s).to(device=device, dtype=dtype))
+            q8p.later(ours, lambda b=blocks, s=scales, n=ours: mxfp4_levels(b, s, f"{path}: {n}"))
+            continue
         if "{e}" in hf:   # one tensor per expert: stacked as a GGUF stores them, [E, rows, cols]
             hf = [hf.format(e=e) for e in range(cfg.n_experts)]
         missing = [n for n in (hf if isinstance(hf, list) else [hf]) if n not in st]
@@ -387,7 +393,7 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
         split_fused(tensors, cfg)
     if arch.ssm_tiled:              # Qwen3.5's value heads in llama.cpp's order (ModelConfig.ssm_tiled)
         tile_v_heads(tensors, cfg)
-    return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {})
+    return LoadedWeights(cfg, tensors, fingerprint(cfg, norms), {}, frozenset(q8p), q8p)
 
 
 def load(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:

@@ -18,7 +18,9 @@ from procs.inference import native
 from procs.inference.archs import hf_gpt_oss
 from procs.inference.gguf_tensors import mxfp4_rows
 from procs.inference.hf_files import read_safetensors
+from procs.inference.kvsession import KVSession
 from procs.inference.loader import load
+from procs.inference.model import Llama
 from procs.inference.torch_attention import causal_mask, sink_attention
 from tests.procs.inference.tiny_models import (LOGIT_TOL, _prompt, _write_gguf, build, gguf,  # noqa: F401
                                                last_logits)
@@ -111,6 +113,16 @@ def test_mxfp4_experts_from_either_file(build, tmp_path):
     assert (got[0] - want).abs().max().item() < LOGIT_TOL
     assert (got[1] - got[0]).abs().max().item() < LOGIT_TOL
     assert (got[0] - _last_logits(load(hf_dir, torch.float32, "cpu"))).abs().max().item() > 1e-3  # it was quantized
+    # with the native kernels, either file's experts become the same exact 5-bit groups (the
+    # HF blocks never expanded to dense tensors): the same packs, the same logits, bit for bit
+    kernels = native.load()
+    packed = [Llama(load(path, torch.float32, "cpu"), 256, kernels=kernels) for path in (str(d), qpath)]
+    for ly_hf, ly_gguf in zip(*(m.layers for m in packed)):
+        for a, b in zip((*ly_hf.moe.gate_up, *ly_hf.moe.down), (*ly_gguf.moe.gate_up, *ly_gguf.moe.down)):
+            assert a.mat.kind == b.mat.kind == native.MAT_Q5 and a._w is None
+            assert torch.equal(a.mat.w, b.mat.w) and torch.equal(a.mat.s, b.mat.s)
+    hf_logits, gguf_logits = (KVSession(m, 256, 16).prefill(ids, logits_at=[len(ids)])[len(ids)] for m in packed)
+    assert torch.equal(hf_logits, gguf_logits)
 
 
 def _eager(q, k, v, mask, scale, sinks):
