@@ -17,7 +17,8 @@ from procs.inference.gdn import BLOCK, delta_block, delta_step
 from procs.inference.kvsession import MAX_MARKS, KVSession, decode_many
 from procs.inference.loader import load
 from procs.inference.model import Llama
-from tests.procs.inference.tiny_models import LOGIT_TOL, MAX_POS, VOCAB, _prompt, build, last_logits  # noqa: F401
+from tests.procs.inference.tiny_models import (LOGIT_TOL, MAX_POS, VOCAB, _prompt, batched_steps, build,  # noqa: F401
+                                               last_logits)
 
 
 def _inputs(H=3, n=BLOCK, dk=8, dv=6, seed=0):
@@ -176,21 +177,8 @@ def test_the_native_steps_are_the_torch_step(build, name, dtype):
                 if ly.gdn:
                     ly.gdn.native = None
     ids = _prompt(name)
-    runs = {}
-    for path, model in models.items():
-        sess = [KVSession(model, MAX_POS, 16) for _ in range(3)]
-        for i, s in enumerate(sess):
-            s.prefill(ids[:12 + 9 * i])
-        solo = KVSession(model, MAX_POS, 16)
-        solo.copy_prefix(sess[1], len(sess[1]))
-        toks = [ids[30 + i] for i in range(3)]
-        rows = []
-        for step in range(5):
-            rows.append(torch.stack(list(decode_many(sess, [t + step for t in toks]))))
-            alone = solo.decode(toks[1] + step)      # the batch of one
-            if path == "whole":                      # decode.c's rows do not depend on the batch
-                assert torch.equal(alone, rows[-1][1]), step
-        runs[path] = torch.stack(rows), sess
+    # decode.c's rows do not depend on the batch
+    runs = {path: batched_steps(model, ids, alone_equal=path == "whole") for path, model in models.items()}
     ref, s_t = runs.pop("torch")
     scale = ref.abs().max().item()
     for path, (ours, s_n) in runs.items():

@@ -22,7 +22,8 @@ from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.native import MAT_Q4, MAT_Q5, MAT_Q8
 from procs.inference.packcache import PackCache
-from tests.procs.inference.tiny_models import CASES, MAX_POS, PROMPT, _hf_model, _prompt, _write_gguf, build  # noqa: F401
+from tests.procs.inference.tiny_models import (CASES, MAX_POS, PROMPT, _hf_model, _prompt, _write_gguf,  # noqa: F401
+                                               batched_steps, build)
 
 gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
@@ -202,21 +203,7 @@ def test_the_whole_step_takes_gpt_oss_and_glm(build, name, dtype):
         if path == "torch":
             model.decoder = None
     ids = _prompt(name)
-    runs = {}
-    for path, model in models.items():
-        sess = [KVSession(model, MAX_POS, 16) for _ in range(3)]
-        for i, s in enumerate(sess):
-            s.prefill(ids[:12 + 9 * i])
-        solo = KVSession(model, MAX_POS, 16)
-        solo.copy_prefix(sess[1], len(sess[1]))
-        rows = []
-        for step in range(5):
-            toks = [ids[30 + i] + step for i in range(3)]
-            rows.append(torch.stack(list(decode_many(sess, toks))))
-            alone = solo.decode(toks[1])
-            if path == "whole":
-                assert torch.equal(alone, rows[-1][1]), step
-        runs[path] = torch.stack(rows)
+    runs = {path: batched_steps(model, ids, alone_equal=path == "whole")[0] for path, model in models.items()}
     ref, ours = runs["torch"], runs["whole"]
     scale = ref.abs().max().item()
     tol = 1e-4 if dtype == torch.float32 else 0.1

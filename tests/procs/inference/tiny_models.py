@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 from procs.inference.loader import load  # noqa: E402
 from procs.inference import native  # noqa: E402
 from procs.inference.model import Llama  # noqa: E402
-from procs.inference.kvsession import KVSession  # noqa: E402
+from procs.inference.kvsession import KVSession, decode_many  # noqa: E402
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 320, 64, 128, 2, 4, 2, 16
 PROMPT, GREEDY, MAX_POS = 40, 64, 128
@@ -447,6 +447,26 @@ def case(request, build):
 def _prompt(name: str) -> list[int]:
     g = torch.Generator().manual_seed(len(name))
     return torch.randint(0, VOCAB, (PROMPT,), generator=g).tolist()
+
+
+def batched_steps(model, ids: list[int], steps: int = 5, alone_equal: bool = False):
+    """Three sessions of model at different lengths (12, 21, 30 prompt tokens) decoding
+    `steps` tokens together in batched steps (kvsession.decode_many), beside a copy of the
+    second decoding alone: (logits [steps, 3, V], the three sessions). alone_equal: each step's
+    second row must equal the lone copy's, bit for bit (the native decoder's promise)."""
+    sess = [KVSession(model, MAX_POS, 16) for _ in range(3)]
+    for i, s in enumerate(sess):
+        s.prefill(ids[:12 + 9 * i])
+    solo = KVSession(model, MAX_POS, 16)
+    solo.copy_prefix(sess[1], len(sess[1]))
+    toks = [ids[30 + i] for i in range(3)]
+    rows = []
+    for step in range(steps):
+        rows.append(torch.stack(list(decode_many(sess, [t + step for t in toks]))))
+        alone = solo.decode(toks[1] + step)      # the batch of one
+        if alone_equal:
+            assert torch.equal(alone, rows[-1][1]), step
+    return torch.stack(rows), sess
 
 
 def last_logits(w, name: str) -> torch.Tensor:
