@@ -358,7 +358,8 @@ def _hf_weights(path: str, c: dict, arch, st: dict, dtype: torch.dtype, device: 
     for i in range(cfg.n_layers):
         for ours in layer_names(arch, i < cfg.dense_layers, cfg.is_linear(i)):
             names[f"model.layers.{i}.{tensor_name(arch, ours, 0)}"] = f"layers.{i}.{ours}"
-    tensors, q8p, norms = Lazy(), Lazy(), {}
+    # (lazy only for MXFP4 experts: a Lazy's unmade values read as None through items())
+    tensors, q8p, norms = (Lazy(), Lazy(), {}) if mx else ({}, {}, {})
     for hf, ours in names.items():
         if hf in mx:     # MXFP4 experts: levels for the kernels' packs, dense values only if read
             blocks, scales = mx[hf]
