@@ -9,7 +9,8 @@ flags and CPU, cached on disk, loaded with ctypes.
   ~1,000 small ops whose dispatch costs as much as the weight reads on a small model.
 - DeltaStep (native_gdn.py): a Gated DeltaNet layer's decode step between its projections
   (kernels/gdn.c): the whole step's, and torch's step's where a model has no whole step.
-  The whole step takes softmax-routed experts too (kernels/moe.c).
+  The whole step takes experts too (kernels/moe.c: softmax- or sigmoid-routed, gpt-oss's
+  biases and clamped SwiGLU) and attention sinks (attention.c).
 
 Built with -march=native, so the cache key includes the CPU's flags; a build that fails (no
 compiler) leaves decode on torch's kernels with one warning, never a failed start.
