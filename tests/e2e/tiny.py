@@ -15,16 +15,16 @@ from .server import Server
 
 
 @contextlib.contextmanager
-def tiny_server(tmp, case: str, arch: str, ctx: int, name: str):
+def tiny_server(tmp, case: str, arch: str, ctx: int, name: str, experts_qtype=None):
     """(Server, trace path) of tiny model `case` (GGUF architecture `arch`) at context ctx,
-    with a disk cache and a trace under tmp."""
+    with a disk cache and a trace under tmp; experts_qtype: the experts' GGUF type (F32)."""
     gguf = pytest.importorskip("gguf")
     from tests.procs.inference.tiny_models import _hf_model, _write_gguf
     default = resolve("", Settings().models_path())
     vocab = gguf.GGUFReader(default).fields["tokenizer.ggml.tokens"].data
     path = str(tmp / f"{case}-tiny.gguf")
     _write_gguf(_hf_model(case, vocab_size=len(vocab), max_position_embeddings=ctx), path, arch,
-                tokenizer_from=default)
+                experts_qtype=experts_qtype, tokenizer_from=default)
     (tmp / "kv").mkdir()
     srv = Server(env={"RICORDO_MODEL": path, "RICORDO_CTX_SIZE": str(ctx), "RICORDO_KV_DISK_DIR": str(tmp / "kv"),
                       "RICORDO_TRACE": str(tmp / "trace.log")}, name=name)
