@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from .tiny import ask, cached, tiny_server
+from .tiny import ask, cached, live_then_restart, tiny_server
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -41,17 +41,6 @@ def test_reuse_lands_on_marks_live_and_after_a_restart(served):
     edited = first + [{"role": "assistant", "content": "2, 3 and 5."}, {"role": "user", "content": "And three more."}]
     b = ask(srv, edited)
     assert cached(b) == a.usage.prompt_tokens, (cached(b), a.usage)
-    # the next turn extends the whole session (prompt and answer): kept whole, state and all
-    second = edited + [{"role": "assistant", "content": b.choices[0].message.content},
-                       {"role": "user", "content": "Thanks."}]
-    c = ask(srv, second)
-    assert cached(c) >= b.usage.prompt_tokens, (cached(c), b.usage)
-    srv.restart()
-    before = trace.read_text()
-    third = second + [{"role": "assistant", "content": c.choices[0].message.content},
-                      {"role": "user", "content": "Bye."}]
-    d = ask(srv, third)
-    # the shutdown checkpoint (the last turn and its answer, states included) from disk
-    assert cached(d) >= c.usage.prompt_tokens, (cached(d), c.usage)
-    assert "KV cache: hit for sha1=" in trace.read_text()[len(before):]
-    assert srv.running()
+    # the next turn extends the whole session (prompt and answer): kept whole, state and all;
+    # after a restart, the shutdown checkpoint (the last turn and its answer, states included)
+    live_then_restart(srv, trace, edited, b)

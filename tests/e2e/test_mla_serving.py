@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from .tiny import ask, cached, tiny_server
+from .tiny import ask, cached, live_then_restart, tiny_server
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -27,17 +27,4 @@ def test_latent_cache_serves_the_next_turn_live_and_after_a_restart(served):
     a = ask(srv, first)
     assert a.choices[0].finish_reason in ("stop", "length") and a.usage.prompt_tokens > 600
     assert cached(a) == 0
-    second = first + [{"role": "assistant", "content": a.choices[0].message.content},
-                      {"role": "user", "content": "And three more."}]
-    b = ask(srv, second)
-    # the first turn's prompt and answer came from the live session (its last token is re-run)
-    assert cached(b) >= a.usage.prompt_tokens, (cached(b), a.usage)
-    srv.restart()
-    before = trace.read_text()
-    third = second + [{"role": "assistant", "content": b.choices[0].message.content},
-                      {"role": "user", "content": "Thanks."}]
-    c = ask(srv, third)
-    # the shutdown checkpoint (the second turn and its answer) restored from disk
-    assert cached(c) >= b.usage.prompt_tokens, (cached(c), b.usage)
-    assert "KV cache: hit for sha1=" in trace.read_text()[len(before):]
-    assert srv.running()
+    live_then_restart(srv, trace, first, a)

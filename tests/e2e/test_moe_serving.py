@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .tiny import ask, cached, tiny_server
+from .tiny import ask, cached, live_then_restart, tiny_server
 
 pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -39,17 +39,4 @@ def test_sinks_and_experts_serve_batched_live_and_after_a_restart(served):
     for r in (a, o):
         assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
     assert a.usage.prompt_tokens > 600 and cached(a) == 0
-    second = first + [{"role": "assistant", "content": a.choices[0].message.content},
-                      {"role": "user", "content": "And three more."}]
-    b = ask(srv, second)
-    # the first turn's prompt and answer came from the live session (its last token is re-run)
-    assert cached(b) >= a.usage.prompt_tokens, (cached(b), a.usage)
-    srv.restart()
-    before = trace.read_text()
-    third = second + [{"role": "assistant", "content": b.choices[0].message.content},
-                      {"role": "user", "content": "Thanks."}]
-    c = ask(srv, third)
-    # the shutdown checkpoint (the second turn and its answer) restored from disk
-    assert cached(c) >= b.usage.prompt_tokens, (cached(c), b.usage)
-    assert "KV cache: hit for sha1=" in trace.read_text()[len(before):]
-    assert srv.running()
+    live_then_restart(srv, trace, first, a)

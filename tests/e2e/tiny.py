@@ -39,3 +39,21 @@ def ask(srv, messages):
 def cached(r) -> int:
     d = r.usage.prompt_tokens_details
     return (d.cached_tokens or 0) if d else 0
+
+
+def live_then_restart(srv, trace, first: list, a) -> None:
+    """The turns after `first` (whose answer was a): the next turn reuses the live session
+    (its prompt and answer; the answer's last token is re-run), and after a restart the turn
+    after is served from the shutdown checkpoint on disk (the trace says so)."""
+    second = first + [{"role": "assistant", "content": a.choices[0].message.content},
+                      {"role": "user", "content": "And three more."}]
+    b = ask(srv, second)
+    assert cached(b) >= a.usage.prompt_tokens, (cached(b), a.usage)
+    srv.restart()
+    before = trace.read_text()
+    third = second + [{"role": "assistant", "content": b.choices[0].message.content},
+                      {"role": "user", "content": "Thanks."}]
+    c = ask(srv, third)
+    assert cached(c) >= b.usage.prompt_tokens, (cached(c), b.usage)
+    assert "KV cache: hit for sha1=" in trace.read_text()[len(before):]
+    assert srv.running()
