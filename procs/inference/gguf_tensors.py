@@ -187,7 +187,11 @@ def q8_parts(g: GGUFFile, name: str):
 class Lazy(dict):
     """A dict whose values may be made when first read (later(name, make)): a model built
     from a GGUF dequantizes one layer's tensors at a time and drops them once packed, so a
-    load never holds every weight dense at once. Membership and iteration see every name."""
+    load never holds every weight dense at once. Membership and iteration see every name.
+
+    Invariant: no read returns an unmade value (the None placeholder): [], get, pop,
+    values(), items(), copy(), and dict(lazy) / {**lazy} (which go through keys() and []
+    because __iter__ is overridden, not dict's C fast path) all make what they yield."""
 
     def __init__(self):
         super().__init__()
@@ -205,6 +209,18 @@ class Lazy(dict):
 
     def get(self, name, default=None):
         return self[name] if name in self else default
+
+    def __iter__(self):
+        return super().__iter__()
+
+    def values(self):
+        return [self[k] for k in list(super().keys())]
+
+    def items(self):
+        return [(k, self[k]) for k in list(super().keys())]
+
+    def copy(self):
+        return dict(self.items())
 
     def __delitem__(self, name):
         self._make.pop(name, None)

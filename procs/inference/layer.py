@@ -9,7 +9,7 @@ import torch
 from procs.inference.gdn import GatedDeltaNet
 from procs.inference.linear import Linear
 from procs.inference.mla import MLA, kv_b_split
-from procs.inference.moe import MoE, swiglu_oai
+from procs.inference.moe import MoE, SwigluOai
 
 
 class Layer(NamedTuple):
@@ -50,7 +50,7 @@ def build_layer(c, t: dict, i: int, fused: Callable[..., Linear], experts: Calla
     window = c.windows[i] if c.windows else 0
     biases = tuple(t[p + n] for n in ("router_b", "gate_exps_b", "up_exps_b", "down_exps_b")) \
         if p + "router_b" in t else None
-    act = swiglu_oai(c.swiglu_alpha, c.swiglu_limit) if c.act == "swiglu_oai" else None
+    act = SwigluOai(c.swiglu_alpha, c.swiglu_limit) if c.act == "swiglu_oai" else None
     moe = None
     if p + "router" in t:
         packs = (experts("gate_exps", "up_exps"), experts("down_exps")) if experts else None

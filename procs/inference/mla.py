@@ -11,7 +11,7 @@ A token's keys and values are all functions of one compressed row: c = RMSNorm(k
 
 which is multi-query attention with one K/V head of D = r + rope dims: K rows [c, k_pe], V
 rows [c, 0] (the rotary part's value is zero, so the output's last dims are 0 and dropped).
-The cache geometry (loader.ModelConfig: n_kv_heads 1, head_dim r + rope) and every attention
+The cache geometry (weights.ModelConfig: n_kv_heads 1, head_dim r + rope) and every attention
 kernel are the ones other models use; only the projections around them are MLA's. The
 softmax scale stays the unabsorbed one, 1/sqrt(nope + rope) (times YaRN's mscale_all_dim
 squared), in ModelConfig.attn_scale.

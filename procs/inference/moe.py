@@ -8,6 +8,7 @@ tokens share the call (exact mode's promise, with its padded matmul).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -17,13 +18,17 @@ import torch.nn.functional as F
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def swiglu_oai(alpha: float, limit: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+@dataclass(frozen=True)
+class SwigluOai:
     """gpt-oss's gated activation: gate clamped above at limit, up to [-limit, limit],
-    gate * sigmoid(alpha * gate) * (up + 1), as transformers' GptOssExperts."""
-    def act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        g = g.clamp(max=limit)
-        return g * torch.sigmoid(g * alpha) * (u.clamp(-limit, limit) + 1)
-    return act
+    gate * sigmoid(alpha * gate) * (up + 1), as transformers' GptOssExperts. moe.c reads
+    alpha and limit from this object, so both steps apply the same numbers."""
+    alpha: float
+    limit: float
+
+    def __call__(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g = g.clamp(max=self.limit)
+        return g * torch.sigmoid(g * self.alpha) * (u.clamp(-self.limit, self.limit) + 1)
 
 
 class MoE:
@@ -45,7 +50,6 @@ class MoE:
         else:
             self.gate_up = torch.cat([gate, up], dim=1).contiguous()     # [E, 2*ffn, dim]
             self.down = down.contiguous()
-        self.packed = packs is not None
         self.k, self.norm_topk = k, norm_topk
         self.router_b = self.gate_up_b = self.down_b = None
         if biases is not None:
@@ -56,6 +60,11 @@ class MoE:
         self.sigmoid = gating == "sigmoid"
         self.score_bias = None if score_bias is None else score_bias.float()
         self.scale, self.groups = scale, groups
+
+    @property
+    def packed(self) -> bool:
+        """Whether the experts are the kernels' packs (a Linear each) or dense tensors."""
+        return not isinstance(self.gate_up, torch.Tensor)
 
     def route(self, h: torch.Tensor, mm: MatMul) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] f32, experts [T, k]) for the rows h [T, dim]."""

@@ -25,13 +25,13 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from common.config import _default_cache_root
 from procs.inference.cpu import cpu_flags
 from procs.inference.native_attention import DecodeAttention, PrefillAttention
+from procs.inference.moe import SwigluOai
 from procs.inference.native_gdn import binder
 from procs.inference.packs import (ATT_CHUNK, GROUP, KIND_NAMES, MAT_BF16, MAT_F32, MAT_Q4, MAT_Q5,  # noqa: F401
                                    MAT_Q8, QROWS, QUANTIZED, Mat, Packed, f16_fits, pack, q8_blocks)
@@ -172,11 +172,11 @@ class Decoder:
         router = pack(moe.router.contiguous())
         gu = (Mat * len(moe.gate_up))(*(lin.mat.mat() for lin in moe.gate_up))
         down = (Mat * len(moe.down))(*(lin.mat.mat() for lin in moe.down))
-        c = self.model.cfg
+        oai = moe.act if isinstance(moe.act, SwigluOai) else SwigluOai(0.0, 0.0)
         w = MoeW(len(moe.gate_up), moe.k, int(moe.norm_topk), moe.down[0].mat.mat().k, moe.scale, int(moe.sigmoid),
                  router.mat(), ctypes.addressof(gu), ctypes.addressof(down),
                  f32(None if ly.sh_gate is None else ly.sh_gate.reshape(-1)), *moe.groups,
-                 c.swiglu_alpha, c.swiglu_limit, f32(moe.router_b), f32(moe.score_bias), f32(moe.gate_up_b),
+                 oai.alpha, oai.limit, f32(moe.router_b), f32(moe.score_bias), f32(moe.gate_up_b),
                  f32(moe.down_b))
         self._keep.extend([router, gu, down, w])
         return w

@@ -37,7 +37,8 @@ log = logging.getLogger("inference")
 MAGIC = b"RICORDO-PACKED\n"
 ALIGN = 64
 # the modules whose code decides what a pack holds: a change to one of them is a new file
-_SOURCES = ("packs.py", "native.py", "linear.py", "gguf_tensors.py", "loader.py", "model.py")
+_SOURCES = ("packs.py", "native.py", "linear.py", "gguf_tensors.py", "loader.py", "hf_load.py", "weights.py",
+            "model.py")
 _DTYPES = {str(d).removeprefix("torch."): d for d in
            (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int32)}
 

@@ -155,7 +155,7 @@ def rotary(c, theta: float, factors, start: int, n: int, attn_factor: float, dty
     (() unscaled), YaRN's / LongRoPE's attention factor."""
     rot = c.rope_dims or c.head_dim
     inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
-    if factors:   # RoPE scaling: per-frequency divisors (loader.ModelConfig)
+    if factors:   # RoPE scaling: per-frequency divisors (weights.ModelConfig)
         inv = inv / torch.tensor(factors, dtype=torch.float64)
     # partial rotary: the pass-through pairs (after the loader's row permutation) turn at
     # frequency 0 and are not scaled (cos 1, sin 0: exact)

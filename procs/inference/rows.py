@@ -12,7 +12,7 @@ from procs.inference.archs import fused_rows
 from procs.inference.gguf_tensors import Lazy
 
 if TYPE_CHECKING:
-    from procs.inference.loader import ModelConfig
+    from procs.inference.weights import ModelConfig
 
 
 def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

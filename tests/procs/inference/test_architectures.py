@@ -22,7 +22,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from procs.inference.archs import ModelLoadError, hf_rope, llama3_factors  # noqa: E402
-from procs.inference.loader import fingerprint, load  # noqa: E402
+from procs.inference.loader import load  # noqa: E402
+from procs.inference.weights import fingerprint  # noqa: E402
 from procs.inference import native  # noqa: E402
 from procs.inference.model import Llama  # noqa: E402
 from procs.inference.kvsession import KVSession  # noqa: E402
