@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from procs.inference.graphs import GraphDecoder
 from procs.inference.layer import Layer, build_layer
-from procs.inference.loader import LoadedWeights
+from procs.inference.weights import LoadedWeights
 from procs.inference.linear import PACKED_MAX_ROWS, Linear, dense, experts as linear_experts, fuse, pack_source
-from procs.inference.cpu import bf16_products_fast
+from procs.inference.cpu import bf16_native, bf16_products_fast
 from procs.inference.native import QUANTIZED
 from procs.inference.packcache import PackCache
 from procs.inference.rope import q_scale, rotary, rotate, specs
@@ -60,6 +60,12 @@ class Llama:
         self.mm_dtype = torch.float32 if prefill_f32 and self.dtype == torch.bfloat16 \
             and self.device.type == "cpu" else self.dtype
         self.pairs = self.mm_dtype == self.dtype
+        # the head's rows up to which it multiplies row by row (torch.mv): one row, where
+        # matrix-vector is ~1.8x faster; decode-sized batches in bf16 without bf16 instructions,
+        # where torch's emulated bf16 GEMM of 2-5 rows sums in an order that depends on the
+        # thread count (decode's logits must not: threads.py) at about the same speed (Xeon
+        # without avx512_bf16, SmolLM2's 49152 x 576 head, 3 rows: 8.6 ms against 7.9)
+        self.mv_rows = PACKED_MAX_ROWS if self.dtype == torch.bfloat16 and not bf16_native() else 1
         if self.device.type == "cuda":
             # cuDNN's SDPA plans each new shape on the host: 1.3 ms a call, and decode's key
             # count is new every step (H200, torch 2.11: 38 of a 41 ms step at 4,000 tokens).
@@ -389,6 +395,6 @@ class Llama:
         x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
         if self.head is not None and self.head.packed is not None and T <= PACKED_MAX_ROWS:
             return self.head(x).float()    # a decode-sized call, as the layers' linears decide
-        if x.shape[0] == 1 and x.device.type == "cpu":   # matrix-vector is ~1.8x faster here
-            return torch.mv(self.lm_head, x[0]).float().unsqueeze(0)
+        if x.device.type == "cpu" and 0 < x.shape[0] <= self.mv_rows:
+            return torch.stack([torch.mv(self.lm_head, r) for r in x]).float()
         return F.linear(x, self.lm_head).float()                              # [len(rows), V]
