@@ -4,9 +4,9 @@ and a disk cache.
 
 Only one thing is changed in a recorded body: the token limit (the agents send none or
 64000; the small model would decode for minutes). The default model's server runs a 12k
-context: Codex's prompt (~9.4k tokens) fits, Claude Code's (~23k) does not, so the Claude Code
-turns take the overflow path its own compaction needs (Anthropic's wording), and its title
-request (small, with a JSON schema) is answered in full. Codex's second session reuses the
+context: Codex's prompt (~9.4k tokens) fits, Claude Code's (~23k, recorded from 2.1.197) does
+not, so the Claude Code turns take the overflow path its own compaction needs (Anthropic's
+wording), and its title request (small, with a JSON schema) is answered in full. Codex's second session reuses the
 first one's cache, from the live session and, after a restart, from disk. Claude Code's
 sessions do the same at 32k on Gemma 3 270M.
 """

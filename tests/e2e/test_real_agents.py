@@ -13,16 +13,17 @@ which tokens it picks depends on the CPU and on the prompt (which holds the temp
 directory's name), and when it writes on to the output limit Codex fails the turn with
 max_output_tokens (exit 1, no usage report): the test accepts that verdict and checks the
 cache on the server's counters, and on Codex's report when there is one. Claude
-Code's prompt (~22k tokens) needs a 32k context: it runs on Gemma 3 270M (trained to 32k,
+Code's prompt (~12k tokens in 2.1.332, ~22k in 2.1.197) needs more than the default model's
+context: it runs on Gemma 3 270M at 32k (trained to 32k,
 mostly sliding-window layers, so a cold prefill takes seconds, not minutes). That file is
 the base model, not the instruction-tuned one (the only Gemma on PyPI): it never ends a turn,
 every answer is cut by RICORDO_N_PREDICT, Claude Code asks to continue three times and then
 exits 1 with "exceeded the ... output token maximum", which the test accepts and names. The
 tool round trips (each agent's call, its result sent back, replayed from memory) run on
 Qwen2.5-Coder-0.5B, which calls tools; Claude Code's without its Agent tool
-(`--disallowedTools Agent`), the one setting these tests change (see ROUND_TRIP_S). At 12k
-the default model shows Claude Code's overflow path: Anthropic's error, the one its
-compaction reacts to; at 8k, Codex's: its own context-window message. opencode's tool round
+(`--disallowedTools Agent`), the one setting these tests change (see ROUND_TRIP_S). At 8k
+the default model shows Claude Code's overflow path (Anthropic's error, the one its
+compaction reacts to) and Codex's (its own context-window message). opencode's tool round
 trip runs on Qwen2.5-Coder too, configured as its documentation says for a local server.
 """
 from __future__ import annotations
@@ -163,12 +164,13 @@ def claude(tmp_path, srv: Server, work: Path):
     return run([str(need("claude")), "-p", ASK, "--output-format", "json"], env, work)
 
 
-def test_claude_code_overflow_at_12k(tmp_path):
-    """Claude Code's prompt does not fit: it gets Anthropic's wording, and the server stays up."""
+def test_claude_code_overflow_at_8k(tmp_path):
+    """Claude Code's prompt does not fit: it gets Anthropic's wording, and the server stays up.
+    (8k: 2.1.332's prompt, ~12k tokens, is too near 12k to depend on.)"""
     need("claude")
     work = workdir(tmp_path)
     (tmp_path / "claudehome").mkdir()
-    with serve(tmp_path, 12288, n_predict=32) as srv:
+    with serve(tmp_path, 8192, n_predict=32) as srv:
         p = claude(tmp_path, srv, work)
         said = p.stdout + p.stderr
         assert "prompt is too long" in said.lower(), said[-3000:]
@@ -204,7 +206,9 @@ def test_claude_code_sessions_share_the_cache(tmp_path):
         after = (tmp_path / "trace.log").read_text()[len(before):]
     print("claude code usage per session (live, live, after a restart):", first, second, third)
     whole = first["input_tokens"] + first["cache_read_input_tokens"]
-    assert first["input_tokens"] > 20000, first        # its first request was cold
+    # its first request was cold (the usage sums a session's requests, the later ones served
+    # from the first: Claude Code 2.1.332 sent ~12k tokens cold, then 3 continuations)
+    assert first["input_tokens"] > 8000, first
     for u in (second, third):    # the few hundred new tokens of each request, nothing more
         total = u["input_tokens"] + u["cache_read_input_tokens"]
         assert total > 0.9 * whole and u["input_tokens"] <= 0.1 * total, (first, u)
@@ -218,13 +222,14 @@ def test_claude_code_sessions_share_the_cache(tmp_path):
 TOOL_MODEL = "qwen2.5-coder-0.5b"
 TOOL_ASK = "Run the shell command cat main.py and tell me what the file contains."
 # Claude Code's round trip runs without its Agent tool (`--disallowedTools Agent`): with it,
-# this model's first call was often the Agent tool, whose sub-agent prefills a ~12k-token
-# prompt of its own before the result comes back (293-315 s emulating an AVX2-only machine
-# in f32 on 2 cores, 56-108 s in bf16 on a Xeon with AMX); without it, a Read call after one
-# cold ~20k-token prefill (63-120 s in bf16, 4 runs of 4; in the suite 174 s in f32, 70 s in
-# bf16). With only Bash and Read listed
-# (`--tools`, a 2.7k-token prompt) the model answered in text in one run of three. The
-# deadline leaves room for a slower CPU.
+# this model's first call is often the Agent tool (2.1.197 and 2.1.332 alike), whose
+# sub-agent prefills a prompt of its own, or whose long input runs into RICORDO_N_PREDICT and
+# fails Claude Code's validation, retried 6 times before a call it takes (2.1.332: 206 s, in
+# f32 on a 2-core AVX-512 Xeon without avx512_bf16; 2.1.197: 293-315 s emulating an AVX2-only
+# machine, 56-108 s in bf16 with AMX). Without it, a Read call after one cold prefill of the
+# prompt (2.1.332: ~10k tokens, 83 s in that f32 setting; 2.1.197: ~20k tokens, 174-198 s in
+# f32, 70 s in bf16). With only Bash and Read listed (`--tools`, a 2.7k-token prompt, 2.1.197)
+# the model answered in text in one run of three. The deadline leaves room for a slower CPU.
 ROUND_TRIP_S = 600
 
 
