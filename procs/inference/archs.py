@@ -13,12 +13,13 @@ import re
 from dataclasses import dataclass
 
 # RoPE scaling as each format states it lives in rope.py, the other config fields in
-# arch_configs.py; re-exported for the loader and tests
+# arch_configs.py and attn_configs.py; re-exported for the loader and tests
 from procs.inference.arch_configs import (GEMMA3_LOCAL_THETA, GEMMA3_SWA_PATTERN,  # noqa: F401
                                           GPT_OSS_SWA_PATTERN, gemma3_layers, gguf_gemma3, gguf_glm4moe,
-                                          gguf_gpt_oss, gguf_hybrid, gguf_mla, gguf_moe, gguf_phi3, gguf_q_scale,
-                                          hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_hybrid, hf_mla, hf_moe,
+                                          gguf_gpt_oss, gguf_moe, gguf_phi3, gguf_q_scale,
+                                          hf_gemma3, hf_glm4moe, hf_gpt_oss, hf_moe,
                                           hf_partial_rope, hf_phi3, hf_q_scale, hf_text_config, nope_layers)
+from procs.inference.attn_configs import gguf_hybrid, gguf_mla, hf_hybrid, hf_mla  # noqa: F401
 from procs.inference.rope import (ModelLoadError, gguf_rope, hf_rope, llama3_factors,  # noqa: F401
                                   longrope_attn, yarn_factors, yarn_mscale)
 

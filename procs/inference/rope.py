@@ -112,7 +112,7 @@ def gguf_rope(meta: dict, prefix: str, head_dim: int, rope_freqs, where: str, tr
     3): yarn_log_multiplier is the config's mscale_all_dim (llama.cpp's mistral3 converter
     writes it so, mscale 1), and the attention factor their ratio, as transformers has it. mla
     (deepseek2): yarn_log_multiplier is 0.1 mscale_all_dim, which scales the softmax
-    (arch_configs.gguf_mla), and the rotary tables are unscaled: mscale equals mscale_all_dim
+    (attn_configs.gguf_mla), and the rotary tables are unscaled: mscale equals mscale_all_dim
     in every DeepSeek release (the converter writes no mscale), so transformers' ratio is 1."""
     theta = float(meta.get(prefix + "rope.freq_base", 10000.0))
     dims = int(meta.get(prefix + "rope.dimension_count", head_dim))
