@@ -6,6 +6,10 @@ alone over one layer's chunks (GFLOP/s of causal attention, the prompt in 512-to
 prefill calls it). Medians of --repeats; the CPU and torch's capability are printed.
 
     .venv/bin/python bench/bench_prefill.py [--model M] [--dtype auto|bf16|f32] [--sizes 2048 8000]
+
+--sinks: instead, attention alone with gpt-oss's sink logits at gpt-oss-20b's head shape (64
+query heads, 8 K/V heads of 64 dims), over the whole prompt and over a 128-token window: the
+kernel against torch's ops (torch_attention.sink_attention; SDPA takes no sinks).
 """
 from __future__ import annotations
 
@@ -24,8 +28,11 @@ import torch.nn.functional as F                        # noqa: E402
 
 from common.config import Settings                     # noqa: E402
 from procs.inference.kvsession import KVSession        # noqa: E402
+from procs.inference import native                     # noqa: E402
+from procs.inference.cpu import bf16_products_fast     # noqa: E402
 from procs.inference.model import _mask                # noqa: E402
-from procs.inference.runtime import build              # noqa: E402
+from procs.inference.torch_attention import sink_attention   # noqa: E402
+from procs.inference.runtime import build, pick_dtype  # noqa: E402
 from bench.machine import cpu_name                 # noqa: E402
 
 
@@ -57,6 +64,43 @@ def attention_only(model, n: int, chunk: int, repeats: int) -> dict:
     return {k: {"s": v, "gflops": flops / v / 1e9} for k, v in secs.items()}
 
 
+def sinks_table(sizes: list[int], dtype: str, repeats: int) -> None:
+    """Seconds of one layer's attention with sinks over each prompt in 512-token chunks, as
+    prefill calls it (a windowed layer passes torch only the keys its window can see)."""
+    kernels = native.load()
+    assert kernels is not None, "the native kernels did not build"
+    H, KV, D = 64, 8, 64
+    dt = pick_dtype(dtype, "cpu")
+    pairs = dt == torch.bfloat16 and bf16_products_fast()
+    rows = ["| tokens | window | kernel (s) | torch's ops (s) | torch / kernel |", "|---|---|---|---|---|"]
+    for n in sizes:
+        g = torch.Generator().manual_seed(0)
+        kc, vc = (torch.randn(KV, n, D, generator=g).to(dt) for _ in range(2))
+        sinks, scale = torch.randn(H, generator=g), D ** -0.5
+        for window in (0, 128):
+            secs = {"kernel": 0.0, "torch": 0.0}
+            for pos in range(0, n, 512):
+                T = min(512, n - pos)
+                S, ks = pos + T, max(0, pos - window + 1) if window else 0
+                q = torch.randn(T, H, D, generator=g).to(dt)
+                mask = _mask(torch.arange(pos, S).unsqueeze(1), torch.arange(ks, S), window, dt)
+                times = {k: [] for k in secs}
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    kernels.prefill(q, kc, vc, pos, window, scale, pairs, sinks)
+                    times["kernel"].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    sink_attention(q, kc[:, ks:S], vc[:, ks:S], mask, scale, sinks)
+                    times["torch"].append(time.perf_counter() - t)
+                for k in secs:
+                    secs[k] += statistics.median(times[k])
+            rows.append(f"| {n} | {window or 'none'} | {secs['kernel']:.3f} | {secs['torch']:.3f} | "
+                        f"{secs['torch'] / secs['kernel']:.2f}x |")
+    rows.append(f"\nCPU: {cpu_name()}; {str(dt).replace('torch.', '')}, bf16 products {pairs}; "
+                f"{torch.get_num_threads()} threads")
+    print("\n".join(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
@@ -65,7 +109,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sinks", action="store_true")
     args = ap.parse_args()
+    if args.sinks:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return sinks_table(args.sizes, args.dtype, args.repeats)
     models = {}
     for kind in ("native", "sdpa"):
         models[kind] = build(Settings(model=args.model, dtype=args.dtype, threads=args.threads,

@@ -46,7 +46,8 @@ class Settings:
                             "slots (one launch instead of hundreds); off: torch's ops launched one by one", ("generate", "inference"))
     prefill_attention: str = opt("auto", "prefill's attention on the CPU: the native kernel (f32 FMA tiles; bf16 pairs "
                                  "where the CPU has avx512_bf16 and --prefill-math is bf16), torch's SDPA, or auto: native unless bf16 GEMMs run "
-                                 "on AMX", ("generate", "inference"), ("auto", "native", "sdpa"))
+                                 "on AMX and the model has no attention sinks (SDPA takes none; torch's ops are "
+                                 "4-13x slower than the kernel)", ("generate", "inference"), ("auto", "native", "sdpa"))
     prefill_math: str = opt("auto", "in bf16 on the CPU, what prefill's GEMMs and native attention multiply in: bf16 "
                             "(the CPU's bf16 dot products), or f32 on the bf16 values widened (K/V, decode and "
                             "memory stay bf16); auto: bf16 where those products outrun f32 FMAs (AMX, or AMD's "

@@ -19,12 +19,15 @@ DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
 PREFILL_F32 = {"auto": None, "f32": True, "bf16": False}
 
 
-def native_prefill(s: Settings, dtype: torch.dtype) -> bool:
-    """Whether prefill's attention runs in kernels/prefill.c rather than torch's SDPA. auto:
-    except in bf16 on AMX, where SDPA's GEMMs run on oneDNN's tiles (expected to win there; not
-    measured yet: bench/bench_prefill.py on such a machine decides)."""
+def native_prefill(s: Settings, dtype: torch.dtype, sinks: bool = False) -> bool:
+    """Whether prefill's attention runs in kernels/prefill.c rather than torch's. auto: except
+    in bf16 on AMX, where SDPA's GEMMs run on oneDNN's tiles (bench/bench_prefill.py, 2-core
+    AMX Xeon: native at 0.79x / 0.61x / 0.40x SDPA's prefill rate at 512 / 2048 / 8000 tokens),
+    unless the model has attention sinks (gpt-oss): SDPA takes none, and torch's ops instead
+    (torch_attention.sink_attention) took 4.4x the kernel's time at 8,000 tokens, 12.8x on
+    128-token windows, on that machine."""
     if s.prefill_attention == "auto":
-        return not (dtype == torch.bfloat16 and has_flag("amx_bf16"))
+        return sinks or not (dtype == torch.bfloat16 and has_flag("amx_bf16"))
     return s.prefill_attention == "native"
 
 
@@ -119,7 +122,8 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     if kernels is not None and s.packed_cache_path() and os.path.isfile(path):
         cache = PackCache(cache_file(s.packed_cache_path(), path, dtype, packed))
     model = Llama(w, max(ctx, 1), packed=packed, kernels=kernels, cache=cache,
-                  native_prefill=native_prefill(s, dtype), cuda_graphs=s.cuda_graphs,
+                  native_prefill=native_prefill(s, dtype, any(n.endswith(".sinks") for n in w.tensors)),
+                  cuda_graphs=s.cuda_graphs,
                   prefill_f32=PREFILL_F32[s.prefill_math])
     del w
     _trim_heap()

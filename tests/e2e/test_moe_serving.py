@@ -3,8 +3,8 @@ tests/procs/inference/tiny_models.py (a sink logit per head, biases, every other
 window of 8, four experts with biases behind their router, the clamped SwiGLU) with its
 experts in MXFP4 as released and the default model's vocabulary, written as llama.cpp's
 converter writes one. On the CPU it runs the kernels' whole decode step and their prefill
-attention with the sinks (the server's log says so; named, since `auto` keeps torch's ops in
-bf16 on AMX CPUs). Over HTTP with the openai client: two
+attention with the sinks (the server's log says so; `auto` picks the kernel for a model with
+sinks on AMX CPUs too, where it keeps torch's SDPA for others). Over HTTP with the openai client: two
 conversations decode together, the next turn reuses the live session, and after a restart
 the turn after is served from the checkpoint on disk. Its random weights answer nonsense;
 what is asserted is what the server does with this model's cache."""
@@ -25,8 +25,7 @@ SYSTEM = "You are a terse assistant. " * 110       # ~660 tokens: past the small
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     with tiny_server(tmp_path_factory.mktemp("oss"), "gpt_oss", "gpt-oss", 2048, "ricordo-oss",
-                     experts_qtype=gguf.GGMLQuantizationType.MXFP4,
-                     env={"RICORDO_PREFILL_ATTENTION": "native"}) as got:
+                     experts_qtype=gguf.GGMLQuantizationType.MXFP4) as got:
         yield got
 
 

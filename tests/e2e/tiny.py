@@ -15,10 +15,9 @@ from .server import Server
 
 
 @contextlib.contextmanager
-def tiny_server(tmp, case: str, arch: str, ctx: int, name: str, experts_qtype=None, env=None):
+def tiny_server(tmp, case: str, arch: str, ctx: int, name: str, experts_qtype=None):
     """(Server, trace path) of tiny model `case` (GGUF architecture `arch`) at context ctx,
-    with a disk cache and a trace under tmp; experts_qtype: the experts' GGUF type (F32);
-    env: more settings."""
+    with a disk cache and a trace under tmp; experts_qtype: the experts' GGUF type (F32)."""
     gguf = pytest.importorskip("gguf")
     from tests.procs.inference.tiny_models import _hf_model, _write_gguf
     default = resolve("", Settings().models_path())
@@ -28,7 +27,7 @@ def tiny_server(tmp, case: str, arch: str, ctx: int, name: str, experts_qtype=No
                 experts_qtype=experts_qtype, tokenizer_from=default)
     (tmp / "kv").mkdir()
     srv = Server(env={"RICORDO_MODEL": path, "RICORDO_CTX_SIZE": str(ctx), "RICORDO_KV_DISK_DIR": str(tmp / "kv"),
-                      "RICORDO_TRACE": str(tmp / "trace.log"), **(env or {})}, name=name)
+                      "RICORDO_TRACE": str(tmp / "trace.log")}, name=name)
     with srv:
         yield srv, tmp / "trace.log"
 

@@ -51,3 +51,18 @@ def test_dense_blocks_where_the_rule_says_and_agrees_with_one_gemm(monkeypatch, 
     linear.dense(x.bfloat16(), w.bfloat16())    # only f32 GEMMs are ever split
     assert calls == [1536]
 
+
+
+@pytest.mark.parametrize("name", list(MACHINES))
+def test_prefill_attention_auto_keeps_the_kernel_for_sinks(machine, name):
+    """auto: torch's SDPA only in bf16 on AMX, and never for a model with attention sinks
+    (SDPA takes none; torch's own ops lose to the kernel there too); a named choice holds."""
+    from common.config import Settings
+    from procs.inference.runtime import native_prefill
+    machine(name)
+    amx = name == "xeon_amx"
+    assert native_prefill(Settings(), torch.bfloat16) is not amx
+    assert native_prefill(Settings(), torch.float32)
+    assert native_prefill(Settings(), torch.bfloat16, sinks=True)
+    assert not native_prefill(Settings(prefill_attention="sdpa"), torch.bfloat16, sinks=True)
+    assert native_prefill(Settings(prefill_attention="native"), torch.bfloat16)
