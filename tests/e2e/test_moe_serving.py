@@ -4,9 +4,9 @@ window of 8, four experts with biases behind their router, the clamped SwiGLU) w
 experts in MXFP4 as released and the default model's vocabulary, written as llama.cpp's
 converter writes one. On the CPU it runs the kernels' whole decode step and their prefill
 attention with the sinks (the server's log says so; `auto` picks the kernel for a model with
-sinks on AMX CPUs too, where it keeps torch's SDPA for others). Over HTTP with the openai client: two
-conversations decode together, the next turn reuses the live session, and after a restart
-the turn after is served from the checkpoint on disk. Its random weights answer nonsense;
+sinks on AMX CPUs too, where it keeps torch's SDPA for others). Over HTTP with the openai
+client: two conversations decode together, the next turn reuses the live session, and after
+a restart the turn after is served from the checkpoint on disk. Its random weights answer nonsense;
 what is asserted is what the server does with this model's cache."""
 from __future__ import annotations
 

@@ -52,7 +52,6 @@ def test_dense_blocks_where_the_rule_says_and_agrees_with_one_gemm(monkeypatch, 
     assert calls == [1536]
 
 
-
 @pytest.mark.parametrize("name", list(MACHINES))
 def test_prefill_attention_auto_keeps_the_kernel_for_sinks(machine, name):
     """auto: torch's SDPA only in bf16 on AMX, and never for a model with attention sinks
