@@ -73,7 +73,7 @@ class Llama:
             torch.backends.cuda.enable_cudnn_sdp(False)
         # attention sinks (gpt-oss): the kernels' attention takes them; elsewhere torch's ops
         # (torch_attention.sink_attention)
-        self.sinks = any(n.endswith(".sinks") for n in t)
+        self.sinks = w.sinks
         fits = kernels is not None and kernels.attention.takes(c.n_heads // c.n_kv_heads, c.head_dim) \
             and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu"
         self.attend = kernels.attention if fits else _decode_attention

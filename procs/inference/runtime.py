@@ -122,8 +122,7 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     if kernels is not None and s.packed_cache_path() and os.path.isfile(path):
         cache = PackCache(cache_file(s.packed_cache_path(), path, dtype, packed))
     model = Llama(w, max(ctx, 1), packed=packed, kernels=kernels, cache=cache,
-                  native_prefill=native_prefill(s, dtype, any(n.endswith(".sinks") for n in w.tensors)),
-                  cuda_graphs=s.cuda_graphs,
+                  native_prefill=native_prefill(s, dtype, w.sinks), cuda_graphs=s.cuda_graphs,
                   prefill_f32=PREFILL_F32[s.prefill_math])
     del w
     _trim_heap()

@@ -108,6 +108,12 @@ class LoadedWeights:
     # Q8_0 / Q5_0 source weights exactly: (q int8 [N, K], scale f16 [N, K/32]), w = q * scale
     q8_parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = None
 
+    @property
+    def sinks(self) -> bool:
+        """Whether the attention has gpt-oss's sinks (a learned logit per head); names only,
+        so a Lazy dict makes no tensor."""
+        return any(n.endswith(".sinks") for n in self.tensors)
+
 
 def fingerprint(cfg: ModelConfig, norms: dict[str, torch.Tensor]) -> bytes:
     """16 bytes naming the model, not its quantization: the architecture, the geometry, the

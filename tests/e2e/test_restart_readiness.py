@@ -32,9 +32,8 @@ from .server import Server
 
 pytestmark = pytest.mark.slow
 
-FULL = os.environ.get("RICORDO_STRESS") == "full"
-RESTARTS = int(os.environ.get("RICORDO_RESTARTS", "10" if FULL else "4"))
-ALONE = int(os.environ.get("RICORDO_RESTARTS", "10" if FULL else "4"))
+RESTARTS = int(os.environ.get("RICORDO_RESTARTS", "10" if os.environ.get("RICORDO_STRESS") == "full" else "4"))
+ALONE = RESTARTS
 FIRST_ANSWER_S = 240.0       # bound on waiting for /v1/models after a start
 CACHE_ENV = {
     "RICORDO_KV_CACHE_MIN_TOKENS": "32",
