@@ -8,6 +8,11 @@ experts about evenly, as trained ones are balanced to); neither model is on PyPI
 
     .venv/bin/python bench/hybrid_gguf.py OUT.gguf [--layers 24] [--hidden 1024] [--qtype Q8_0] [--moe]
     .venv/bin/python bench/hybrid_gguf.py OUT.gguf --gpt-oss --layers 12 --ffn 1024 [--heads 16 --kv-heads 4]
+    .venv/bin/python bench/hybrid_gguf.py OUT.gguf --mla --layers 8 --hidden 2048 --ffn 3072 --qtype Q4_0
+
+--mla writes GLM-4.7-Flash's attention (multi-head latent attention: 20 heads, a 768-rank
+query and a 512-rank K/V compression, 192 + 64 rotary key dims, values of 256), its first
+layer dense (MLP --ffn), the others 32 experts of --ffn/4, 4 chosen, one shared.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ def main() -> None:
     ap.add_argument("--linear-heads", type=int, default=16, help="key and value heads of the DeltaNet")
     ap.add_argument("--qtype", default="Q8_0", help="a gguf GGMLQuantizationType name (F16, Q8_0, Q4_0, ...)")
     ap.add_argument("--moe", action="store_true", help="Qwen3.5 MoE: 64 experts of --ffn/4, 4 chosen, a shared one")
+    ap.add_argument("--mla", action="store_true",
+                    help="GLM-4.7-Flash's latent attention and experts (32 of --ffn/4, 4 chosen, a shared one)")
     ap.add_argument("--gpt-oss", action="store_true",
                     help="gpt-oss: heads of 64, 32 experts of --ffn, 4 chosen, in MXFP4 (the rest --qtype)")
     a = ap.parse_args()
@@ -57,6 +64,15 @@ def main() -> None:
                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                       "original_max_position_embeddings": 4096})
+    elif a.mla:        # GLM-4.7-Flash's attention shape as released, fewer and narrower experts
+        name = "glm4_moe_lite"
+        shape = dict(vocab_size=vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+                     num_attention_heads=20, num_key_value_heads=20, kv_lora_rank=512, q_lora_rank=768,
+                     qk_nope_head_dim=192, qk_rope_head_dim=64, head_dim=64, v_head_dim=256, n_routed_experts=32,
+                     num_experts_per_tok=4, moe_intermediate_size=a.ffn // 4, n_shared_experts=1,
+                     routed_scaling_factor=1.8, n_group=1, topk_group=1, norm_topk_prob=True,
+                     max_position_embeddings=32768, rope_interleave=True, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     elif a.moe:
         shape.update(num_experts=64, num_experts_per_tok=4, moe_intermediate_size=a.ffn // 4,
                      shared_expert_intermediate_size=a.ffn // 4, tie_word_embeddings=False)

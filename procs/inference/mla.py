@@ -16,6 +16,10 @@ kernel are the ones other models use; only the projections around them are MLA's
 softmax scale stays the unabsorbed one, 1/sqrt(nope + rope) (times YaRN's mscale_all_dim
 squared), in ModelConfig.attn_scale.
 
+Decode on the CPU runs the same math in the whole-step native decoder (kernels/decode.c's
+mla_layer, on uk and uv as the dense matrices here, attention.c over the latent head); this
+class is prefill's, CUDA's and --decode-kernels torch's.
+
 RoPE: the rope dims are the last of each query head and of kv_a's row; the loader puts their
 rows in the half-split order forward()'s rotary tables use (interleaved checkpoints
 reordered), and the tables are the model's [ctx, D] ones with rope_dims rotating: their

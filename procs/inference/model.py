@@ -79,7 +79,7 @@ class Llama:
         self.attend = kernels.attention if fits else _decode_attention
         self.prefill_attend = kernels.prefill if native_prefill and fits \
             and kernels.prefill.takes(c.n_heads // c.n_kv_heads, c.head_dim) else None
-        # a model the native decoder declines (latent attention) still keeps its linears
+        # a model the native decoder declines (a CUDA-only shape, --decode-kernels torch) still keeps its linears
         # packed once, as the kernels pack them, and decodes them with the kernels' products
         # (Linear.__call__); only the whole step is torch's then
         packs = kernels is not None and self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)

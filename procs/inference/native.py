@@ -10,7 +10,8 @@ flags and CPU, cached on disk, loaded with ctypes.
 - DeltaStep (native_gdn.py): a Gated DeltaNet layer's decode step between its projections
   (kernels/gdn.c): the whole step's, and torch's step's where a model has no whole step.
   The whole step takes experts too (kernels/moe.c: softmax- or sigmoid-routed, gpt-oss's
-  biases and clamped SwiGLU) and attention sinks (attention.c).
+  biases and clamped SwiGLU), attention sinks (attention.c) and latent attention (decode.c's
+  mla_layer: DeepSeek, GLM-4.7-Flash).
 
 Built with -march=native, so the cache key includes the CPU's flags; a build that fails (no
 compiler) leaves decode on torch's kernels with one warning, never a failed start.
@@ -80,7 +81,13 @@ class LayerW(ctypes.Structure):
                [(n, Mat) for n in ("qkv", "wo", "gu", "down")] + \
                [(n, ctypes.c_int32) for n in ("window", "rope", "kv", "gated")] + \
                [("gdn", ctypes.c_void_p), ("slot", ctypes.c_int32), ("pad", ctypes.c_int32), ("moe", ctypes.c_void_p),
-                ("bo", ctypes.c_void_p), ("sinks", ctypes.c_void_p)]
+                ("bo", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("mla", ctypes.c_void_p)]
+
+
+class MlaW(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("r", "rope", "nope", "v", "q_lora", "pad")] + \
+               [("q_a_norm", ctypes.c_void_p), ("kv_a_norm", ctypes.c_void_p), ("wq_b", Mat),
+                ("uk", ctypes.c_void_p), ("uv", ctypes.c_void_p)]
 
 
 class MoeW(ctypes.Structure):
@@ -99,7 +106,8 @@ class ModelW(ctypes.Structure):
                 ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2),
                 ("layers", ctypes.POINTER(LayerW)), ("norm", ctypes.c_void_p), ("head", Mat),
                 ("q_scale", ctypes.c_void_p), ("lin_in", ctypes.c_int32), ("lin_out", ctypes.c_int32),
-                ("conv_slot", ctypes.c_long), ("ssm_slot", ctypes.c_long)]
+                ("conv_slot", ctypes.c_long), ("ssm_slot", ctypes.c_long), ("mla_row", ctypes.c_int32),
+                ("pad2", ctypes.c_int32)]
 
 
 # ------------------------------------------------------------------ the kernels
@@ -141,6 +149,8 @@ class Decoder:
                     setattr(lw, name, lin.mat.mat())
             if ly.moe is not None:
                 lw.moe = ctypes.addressof(self._moe(ly, f32))
+            if ly.mla is not None:
+                lw.mla = ctypes.addressof(self._mla(ly.mla, f32))
             lw.window, lw.rope, lw.kv, lw.gated = ly.window, ly.rope, ly.kv, int(ly.gated)
             if ly.gdn is not None:      # its step's constants (gdn.c), as torch's decode path calls them
                 lw.gdn, lw.slot = ctypes.addressof(ly.gdn.native.w), ly.gdn.slot
@@ -163,6 +173,9 @@ class Decoder:
             step = next(ly.gdn.native for ly in model.layers if ly.gdn is not None)
             m.lin_in, m.lin_out = step.width, step.w.nv * step.w.dv
             m.conv_slot, m.ssm_slot = step.state_values
+        if c.kv_lora:     # decode.c's mla_layer: the first projection, the query, the absorbed query
+            first = next(ly.wqkv.mat.mat().n for ly in model.layers if ly.mla is not None)
+            m.mla_row = first + c.n_heads * (c.qk_nope + c.rope_dims) + c.n_heads * c.head_dim
         self.vocab = m.head.n
         self.scratch = torch.empty(0)
 
@@ -179,6 +192,18 @@ class Decoder:
                  oai.alpha, oai.limit, f32(moe.router_b), f32(moe.score_bias), f32(moe.gate_up_b),
                  f32(moe.down_b))
         self._keep.extend([router, gu, down, w])
+        return w
+
+    def _mla(self, mla, f32) -> MlaW:
+        """A latent-attention layer's constants as decode.c's mla_layer reads them: each head's
+        W_UK and W_UV as the dense matrices torch's step multiplies by (no copy)."""
+        uk = [pack(lin.w) for lin in mla.uk]
+        uv = [pack(lin.w) for lin in mla.uv]
+        uks, uvs = (Mat * mla.H)(*(p.mat() for p in uk)), (Mat * mla.H)(*(p.mat() for p in uv))
+        w = MlaW(mla.r, mla.rope, mla.nope, mla.v, mla.q_lora if mla.wq_b is not None else 0, 0,
+                 f32(mla.q_a_norm if mla.wq_b is not None else None), f32(mla.kv_a_norm),
+                 mla.wq_b.mat.mat() if mla.wq_b is not None else Mat(), ctypes.addressof(uks), ctypes.addressof(uvs))
+        self._keep.extend([uk, uv, uks, uvs, w])
         return w
 
     def __call__(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor, state=None) -> torch.Tensor:
@@ -303,8 +328,7 @@ class Kernels:
     def takes(model) -> bool:
         c = model.cfg
         return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32) and c.act in ACTS
-                and not c.kv_lora and c.head_dim <= 256 and c.n_heads % c.n_kv_heads == 0
-                and DecodeAttention.takes(c.n_heads // c.n_kv_heads, c.head_dim))
+                and c.n_heads % c.n_kv_heads == 0 and DecodeAttention.takes(c.n_heads // c.n_kv_heads, c.head_dim))
 
     def decoder(self, model) -> Decoder | None:
         # experts: packed (linear.experts), as moe.c reads them

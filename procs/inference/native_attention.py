@@ -6,12 +6,14 @@ import ctypes
 
 import torch
 
-MAXG, MAXD = 16, 256       # attention.c's and prefill.c's MAXG, MAXD
+# the most query heads per K/V head and the largest head dim the kernels' task buffers hold:
+# attention.c's MAXG, MAXD (decode, up to DeepSeek-V3's latent attention: 128 heads on one
+# K/V head of 576) and prefill.c's
+DECODE, PREFILL = (128, 576), (16, 256)
 
 
-def takes(G: int, D: int) -> bool:
-    """Whether the kernels' task buffers hold a model's grouping and head dim."""
-    return 1 <= G <= MAXG and 1 <= D <= MAXD
+def _fits(limits: tuple[int, int], G: int, D: int) -> bool:
+    return 1 <= G <= limits[0] and 1 <= D <= limits[1]
 
 
 def _sinks(sinks: torch.Tensor | None, H: int) -> int | None:
@@ -44,7 +46,9 @@ class DecodeAttention:
         self.size.argtypes = [ctypes.c_int] * 4
         self.scratch = torch.empty(0)
 
-    takes = staticmethod(takes)
+    @staticmethod
+    def takes(G: int, D: int) -> bool:
+        return _fits(DECODE, G, D)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,7 +81,9 @@ class PrefillAttention:
         self.fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_int] * 7 + \
             [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
 
-    takes = staticmethod(takes)
+    @staticmethod
+    def takes(G: int, D: int) -> bool:
+        return _fits(PREFILL, G, D)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: int,
                  scale: float, pairs: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:

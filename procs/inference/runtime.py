@@ -75,8 +75,7 @@ def explain(s: Settings, model) -> str:
                         if x is not None})
         path = f"decode: one native call per token on {'+'.join(kinds)} weights, f32 activations"
     elif dev == "cpu":
-        path = "decode: torch's ops" + (" (latent attention)" if model.cfg.kv_lora else
-                                        " (--decode-kernels torch, or the kernels did not build)")
+        path = "decode: torch's ops (--decode-kernels torch, or the kernels did not build)"
     else:
         path = "decode: torch's ops on the device"
     att = "native" + (" with sinks" if model.sinks else "") if model.prefill_attend is not None else \

@@ -31,8 +31,10 @@
 #include "kernels.h"
 
 #define CHUNK ATT_CHUNK
-#define MAXG 16
-#define MAXD 256
+/* decode's limits (native_attention.DECODE): up to DeepSeek-V3's 128 query heads on one
+ * latent K/V head of 576 */
+#define MAXG 128
+#define MAXD 576
 
 #include "simd.h"
 #include "pairs.h"

@@ -9,7 +9,8 @@
  * What a layer carries arrives as optional pointers (NULL: the architecture has none), the
  * same facts procs/inference/layer.Layer holds. Experts run in moe.c; a Gated DeltaNet layer
  * (Qwen3.5) runs its projections here and the rest in gdn.c, on each sequence's recurrent
- * state.
+ * state; a latent-attention layer (DeepSeek, GLM-4.7-Flash) its own projections around
+ * attention.c's (mla_layer).
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +29,7 @@ typedef struct {
     const MoeW *moe;              /* experts (moe.c) beside gu/down (the shared expert; w NULL: none) */
     const float *bo;              /* [dim]: the attention output's bias (gpt-oss) */
     const float *sinks;           /* [H]: each head's sink logit (gpt-oss; attention.c) */
+    const MlaW *mla;              /* latent attention (NULL: none); qkv is then its first projection */
 } LayerW;
 
 typedef struct {
@@ -40,6 +42,7 @@ typedef struct {
     const float *q_scale;         /* [ctx]: q times q_scale[pos] after RoPE (Ministral 3); NULL: 1 */
     int32_t lin_in, lin_out;      /* a DeltaNet's in-projection rows and output width (0: none) */
     long conv_slot, ssm_slot;     /* elements of one layer's convolution inputs and state */
+    int32_t mla_row, pad2;        /* floats a latent-attention layer's projections take per row (0: none) */
 } ModelW;
 
 static void rms_norm(const float *x, const float *w, float eps, int n, float *out) {
@@ -52,13 +55,15 @@ static void rms_norm(const float *x, const float *w, float eps, int n, float *ou
         for (int i = 0; i < n; i++) out[i] = x[i] * r;
 }
 
+#define MAX_D 1024     /* rope()'s buffers */
+
 static inline float table(const void *t, int bf16, long i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)t)[i]) : ((const float *)t)[i];
 }
 
 /* x*cos + roll(x, D/2)*sin on each of n heads (the model's half-split RoPE) */
 static void rope(float *x, int n, int D, const void *cos, const void *sin, int bf16, int pos) {
-    float c[512], s[512], t[512];
+    float c[MAX_D], s[MAX_D], t[MAX_D];
     const int half = D / 2;
     for (int i = 0; i < D; i++) {
         c[i] = table(cos, bf16, (long)pos * D + i);
@@ -68,6 +73,24 @@ static void rope(float *x, int n, int D, const void *cos, const void *sin, int b
         float *v = x + (long)h * D;
         for (int i = 0; i < D; i++) t[i] = v[i] * c[i] + v[i < half ? i + half : i - half] * s[i];
         memcpy(v, t, sizeof(float) * D);
+    }
+}
+
+/* The rotary part of n latent-attention vectors (R dims each, stride apart), rotated by the
+ * model's [ctx][Dt] tables' columns for R dims: the first R/2 of each half (mla.py's idx) */
+static void rope_part(float *x, int n, long stride, int R, const void *cos, const void *sin, int bf16, int Dt,
+                      int pos) {
+    float c[MAX_D], s[MAX_D], t[MAX_D];
+    const int half = R / 2;
+    for (int i = 0; i < R; i++) {
+        const long col = (long)pos * Dt + (i < half ? i : Dt / 2 + i - half);
+        c[i] = table(cos, bf16, col);
+        s[i] = table(sin, bf16, col);
+    }
+    for (int h = 0; h < n; h++) {
+        float *v = x + h * stride;
+        for (int i = 0; i < R; i++) t[i] = v[i] * c[i] + v[i < half ? i + half : i - half] * s[i];
+        memcpy(v, t, sizeof(float) * R);
     }
 }
 
@@ -97,9 +120,61 @@ static int residual(const Mat *w, const float *bias, int B, const float *in, lon
     return 0;
 }
 
+/* A latent-attention layer on B normed rows h: its projections, the K/V rows [c, k_pe] and
+ * [c, 0] written at pos[b], each head's query absorbed (W_UK), attention over the one K/V
+ * head, each head's latent output expanded (W_UV): buf row b (m->mla_row floats, scratch)
+ * ends holding [H*v] for the output projection. The caches, lead and shared as decode_batch
+ * takes them; att [B][H*D] and att_scratch are decode_batch's. */
+static int mla_layer(const ModelW *m, const LayerW *L, int B, const float *h, const int *pos, void *const *kc,
+                     void *const *vc, const long *layer_stride, const long *head_stride, const int *lead,
+                     const int *shared, float *buf, float *att, float *att_scratch) {
+    const MlaW *A = L->mla;
+    const int H = m->H, D = m->D, r = A->r, R = A->rope, nope = A->nope, qd = nope + R;
+    const int nq = A->q_lora ? A->q_lora : H * qd, wa = nq + r + R, esz = m->kv_bf16 ? 2 : 4;
+    const long ld = m->mla_row;
+    if (D != r + R || m->KV != 1 || wa + (long)H * qd + (long)H * D > ld) return -1;
+    /* a row of buf: the first projection [wa], the query [H*qd] (q_lora), the absorbed query [H*D] */
+    float *q = A->q_lora ? buf + wa : buf, *Q = buf + wa + (long)H * qd, kv[MAX_D];
+    if (mat_mul(&L->qkv, B, h, m->dim, buf, ld)) return -1;
+    if (A->q_lora) {
+        for (int b = 0; b < B; b++) rms_norm(buf + b * ld, A->q_a_norm, m->eps, nq, buf + b * ld);
+        if (mat_mul(&A->wq_b, B, buf, ld, q, ld)) return -1;
+    }
+    if (mat_mul_heads(A->uk, H, B, q, ld, qd, Q, ld, D)) return -1;
+    const float *qs[B];
+    const void *ks[B], *vs[B];
+    float *outs[B];
+    int rows[B], ldr[B], sh[B];
+    for (int b = 0; b < B; b++) {
+        const float *a = buf + b * ld, *qb = q + b * ld;
+        float *Qb = Q + b * ld;
+        for (int i = 0; i < H; i++) memcpy(Qb + (long)i * D + r, qb + (long)i * qd + nope, sizeof(float) * R);
+        rope_part(Qb + r, H, D, R, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, D, pos[b]);
+        rms_norm(a + nq, A->kv_a_norm, m->eps, r, kv);
+        memcpy(kv + r, a + nq + r, sizeof(float) * R);
+        rope_part(kv + r, 1, 0, R, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, D, pos[b]);
+        const long base = L->kv * layer_stride[b];
+        store_rows(kc[b], m->kv_bf16, base + (long)pos[b] * D, kv, D);
+        memset(kv + r, 0, sizeof(float) * R);
+        store_rows(vc[b], m->kv_bf16, base + (long)pos[b] * D, kv, D);
+        qs[b] = Qb;
+        ks[b] = (const char *)kc[b] + base * esz;
+        vs[b] = (const char *)vc[b] + base * esz;
+        outs[b] = att + (long)b * H * D;
+        rows[b] = pos[b] + 1;
+        ldr[b] = lead ? lead[b] : b;         /* no window: every layer's keys start at row 0 */
+        sh[b] = lead && lead[b] != b ? shared[b] / ATT_CHUNK : 0;
+    }
+    if (decode_attention_many(B, qs, ks, vs, head_stride, rows, ldr, sh, 1, H, D, m->scale, m->kv_bf16, NULL, outs,
+                              att_scratch))
+        return -1;
+    return mat_mul_heads(A->uv, H, B, att, (long)H * D, D, buf, ld, A->v);
+}
+
 /* Scratch floats one activation row takes (every buffer of a step, but attention's) */
 static long row_floats(const ModelW *m) {
-    return 3L * m->dim + imax((2 * m->H + 2 * m->KV) * m->D, m->lin_in) + imax(m->H * m->D, m->lin_out) + 2L * m->ffn;
+    return 3L * m->dim + imax(imax((2 * m->H + 2 * m->KV) * m->D, m->lin_in), m->mla_row) +
+           imax(m->H * m->D, m->lin_out) + 2L * m->ffn;
 }
 
 long decode_batch_scratch(const ModelW *m, int B, int S) {
@@ -122,9 +197,9 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
                  const long *layer_stride, const long *head_stride, const int *lead, const int *shared,
                  float *logits, float *scratch, void *const *conv, float *const *ssm) {
     const int dim = m->dim, H = m->H, KV = m->KV, D = m->D, ffn = m->ffn, esz = m->kv_bf16 ? 2 : 4;
-    if (D > 512 || H % KV || B < 1) return -1;
+    if (D > MAX_D || H % KV || B < 1) return -1;
     const int QKV0 = (H + 2 * KV) * D;
-    const long qkv_max = imax(QKV0 + H * D, m->lin_in), att_max = imax(H * D, m->lin_out);
+    const long qkv_max = imax(imax(QKV0 + H * D, m->lin_in), m->mla_row), att_max = imax(H * D, m->lin_out);
     float *h = scratch, *o = h + (long)B * dim, *qkv = o + (long)B * dim, *att = qkv + (long)B * qkv_max;
     float *gu = att + (long)B * att_max, *mo = gu + (long)B * 2 * ffn, *att_scratch = mo + (long)B * dim;
     const float *qs[B];
@@ -145,6 +220,12 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
             }
             if (gdn_step(L->gdn, B, qkv, m->lin_in, cs, ss, att, m->lin_out)) return -1;
             if (residual(&L->wo, NULL, B, att, m->lin_out, L->post_attn_norm, m->eps, dim, x, dim, o)) return -1;
+            goto mlp;
+        }
+        if (L->mla) {
+            if (mla_layer(m, L, B, h, pos, kc, vc, layer_stride, head_stride, lead, shared, qkv, att, att_scratch) ||
+                residual(&L->wo, L->bo, B, qkv, m->mla_row, L->post_attn_norm, m->eps, dim, x, dim, o))
+                return -1;
             goto mlp;
         }
         const int QKV = QKV0 + (L->gated ? H * D : 0);

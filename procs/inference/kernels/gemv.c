@@ -231,6 +231,27 @@ INLINE void row_times(const Mat *m, long r, const float *x, long ldx, float *y, 
     }
 }
 
+/* Weight row r of m (dense or Q5) against all B activation rows, NB at a time. Row (r, b)
+ * gets the same operations whatever B is. */
+INLINE void row_all(const Mat *m, int r, int B, const float *x, long ldx, float *y, long ldy) {
+#ifndef VW
+    /* portable build: one activation row at a time (the compiler vectorizes the scalar loops
+     * differently for each row count, which would break the bit-equality with single rows) */
+    for (int b = 0; b < B; b++) row_times(m, r, x + b * ldx, ldx, y + b * ldy + r, ldy, 1);
+#else
+    for (int b0 = 0; b0 < B; b0 += NB) {
+        const float *xb = x + b0 * ldx;
+        float *yb = y + b0 * ldy + r;
+        switch (B - b0) {
+        case 1: row_times(m, r, xb, ldx, yb, ldy, 1); break;
+        case 2: row_times(m, r, xb, ldx, yb, ldy, 2); break;
+        case 3: row_times(m, r, xb, ldx, yb, ldy, 3); break;
+        default: row_times(m, r, xb, ldx, yb, ldy, 4);
+        }
+    }
+#endif
+}
+
 /* Y[b] = W X[b] for B activation rows (x rows ldx apart, y rows ldy apart): each weight row
  * is read from memory once and multiplied by up to NB activation rows per pass while it is in
  * cache, so B rows cost about one row's weight traffic. Row (r, b) gets the same operations
@@ -240,27 +261,25 @@ INLINE void row_times(const Mat *m, long r, const float *x, long ldx, float *y, 
 int mat_mul(const Mat *m, int B, const float *x, long ldx, float *y, long ldy) {
     const int n = m->n;
     if (m->kind == MAT_Q4 || m->kind == MAT_Q8) return mat_mul_q(m, B, x, ldx, y, ldy);
-#ifndef VW
-    /* portable build: one activation row at a time (the compiler vectorizes the scalar loops
-     * differently for each row count, which would break the bit-equality with single rows) */
 #pragma omp parallel for schedule(static)
-    for (int r = 0; r < n; r++)
-        for (int b = 0; b < B; b++) row_times(m, r, x + b * ldx, ldx, y + b * ldy + r, ldy, 1);
-#else
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < n; r++) {
-        for (int b0 = 0; b0 < B; b0 += NB) {
-            const float *xb = x + b0 * ldx;
-            float *yb = y + b0 * ldy + r;
-            switch (B - b0) {
-            case 1: row_times(m, r, xb, ldx, yb, ldy, 1); break;
-            case 2: row_times(m, r, xb, ldx, yb, ldy, 2); break;
-            case 3: row_times(m, r, xb, ldx, yb, ldy, 3); break;
-            default: row_times(m, r, xb, ldx, yb, ldy, 4);
-            }
-        }
+    for (int r = 0; r < n; r++) row_all(m, r, B, x, ldx, y, ldy);
+    return 0;
+}
+
+int mat_mul_heads(const Mat *ms, int nm, int B, const float *x, long ldx, long xh, float *y, long ldy, long yh) {
+    for (int h = 1; h < nm; h++)
+        if (ms[h].kind != ms[0].kind || ms[h].n != ms[0].n || ms[h].k != ms[0].k) return -1;
+    if (ms[0].kind == MAT_Q4 || ms[0].kind == MAT_Q8) {     /* their own blocked regions, one by one */
+        for (int h = 0; h < nm; h++)
+            if (mat_mul_q(ms + h, B, x + h * xh, ldx, y + h * yh, ldy)) return -1;
+        return 0;
     }
-#endif
+    const long n = ms[0].n;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < nm * n; t++) {
+        const int h = (int)(t / n);
+        row_all(ms + h, (int)(t % n), B, x + h * xh, ldx, y + h * yh, ldy);
+    }
     return 0;
 }
 

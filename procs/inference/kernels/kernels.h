@@ -35,6 +35,11 @@ typedef struct {
  * on the thread count or on the other rows. Returns 0, or -1 when scratch memory is refused. */
 int mat_mul(const Mat *m, int B, const float *x, long ldx, float *y, long ldy);
 int mat_mul_q(const Mat *m, int B, const float *x, long ldx, float *y, long ldy);
+/* nm matrices of one shape and kind, each on its own B activation rows: matrix h reads
+ * x + h*xh and writes y + h*yh (rows ldx, ldy apart), every row as mat_mul computes it, in
+ * one parallel region (a latent-attention layer's per-head products). 0, or -1 for
+ * matrices of different shapes or kinds (or scratch memory refused). */
+int mat_mul_heads(const Mat *ms, int nm, int B, const float *x, long ldx, long xh, float *y, long ldy, long yh);
 void q_row(const Mat *m, long r, void *dst, int bf16);
 
 int decode_attention(const float *q, const void *k, const void *v, long head_stride, int KV, int G,
@@ -62,6 +67,19 @@ typedef struct {
  * scratch memory is refused. */
 int gdn_step(const GdnW *w, int B, const float *p, long ldp, void *const *conv, float *const *ssm,
              float *out, long ldo);
+
+/* A latent-attention layer (DeepSeek's MLA, GLM-4.7-Flash), absorbed as procs/inference/mla.py
+ * runs it: its first projection (LayerW.qkv) gives the query's rows (q_lora of them, or the
+ * query itself), then kv_a's r latent and rope rotary values; the cache's one K/V head of
+ * D = r + rope holds K rows [c, k_pe] and V rows [c, 0] (decode.c) */
+typedef struct {
+    int32_t r, rope, nope, v, q_lora, pad;  /* latent rank, rotary dims, a query head's other dims, value
+                                               dims, the query's rank (0: the first projection is q) */
+    const float *q_a_norm, *kv_a_norm;      /* [q_lora] (NULL without q_lora), [r] */
+    Mat wq_b;                               /* [H*(nope+rope), q_lora] (w NULL without q_lora) */
+    const Mat *uk, *uv;                     /* [H] each: [r, nope] (a head's W_UK, absorbed into its
+                                               query), [v, r] (its W_UV, applied after attention) */
+} MlaW;
 
 /* A mixture-of-experts layer's weights (moe.c): the router's choice (softmax over every
  * expert, or sigmoid scores plus a bias within the best groups), the chosen experts' gated

@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from procs.inference import native
 from procs.inference.archs import ModelLoadError, gguf_mla, hf_mla
 from procs.inference.kvsession import KVSession
 from procs.inference.loader import load
 from procs.inference.model import Llama
-from tests.procs.inference.tiny_models import MAX_POS, PROMPT, _prompt, build, last_logits  # noqa: F401
+from tests.procs.inference.tiny_models import (CASES, MAX_POS, PROMPT, VOCAB, _hf_model, _prompt,  # noqa: F401
+                                               _write_gguf, build, last_logits)
 
 NAME = "glm4_moe_lite"
 
@@ -162,3 +164,64 @@ def test_batched_decode_equals_each_sequence_alone(build):
     alone = [a.decode(ta), b.decode(tb)]
     for x, y in zip(both, alone):
         assert (x - y.flatten()).abs().max().item() < 1e-4
+
+
+# GLM-4.7-Flash's head layout, narrower: 20 query heads (more than one of the attention
+# kernel's query groups) on one latent K/V head of 112 + 16 = 128 dims (a multiple of 64: the
+# bf16 pairs on CPUs with avx512_bf16), with a query rank; DeepSeek-V2-Lite's without one
+WIDE = {"glm4_moe_lite": dict(hidden_size=80, num_attention_heads=20, num_key_value_heads=20, kv_lora_rank=112, q_lora_rank=48,
+                              max_position_embeddings=512),
+        "deepseek_v2": dict(hidden_size=80, num_attention_heads=20, num_key_value_heads=20, kv_lora_rank=112,
+                            max_position_embeddings=512)}
+
+
+@pytest.fixture(scope="module", params=list(WIDE))
+def wide(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("wide") / "wide.gguf")
+    _write_gguf(_hf_model(request.param, **WIDE[request.param]), path, CASES[request.param][2])
+    return path
+
+
+def test_native_step_is_torch_step(wide):
+    """The whole-step native decoder (decode.c's mla_layer: projections, the absorbed query,
+    RoPE on the rotary columns, the K/V rows, attention over the latent head, the expansion)
+    against torch's step on the same dense f32 weights, past one attention chunk of 128 rows:
+    the same logits to f32 rounding, step after step, and the same K/V rows written."""
+    ctx, n = 200, 150
+    mine = Llama(load(wide, torch.float32, "cpu"), ctx, packed=False, kernels=native.load())
+    theirs = Llama(load(wide, torch.float32, "cpu"), ctx, packed=False)
+    assert mine.decoder is not None and theirs.decoder is None
+    ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(3)).tolist()
+    sa, sb = KVSession(mine, ctx, 64), KVSession(theirs, ctx, 64)
+    sa.prefill(ids)
+    sb.prefill(ids)
+    worst = 0.0
+    for _ in range(8):
+        tok = int(sb.logits.argmax())
+        worst = max(worst, (sa.decode(tok) - sb.decode(tok)).abs().max().item())
+    assert worst < 1e-3, worst
+    new = slice(n, n + 8)
+    for a, b in ((sa.k, sb.k), (sa.v, sb.v)):
+        assert (a[:, :, new] - b[:, :, new]).abs().max().item() < 1e-4
+        assert a[:, :, new, :mine.cfg.kv_lora].abs().amax(dim=-1).min().item() > 0
+
+
+def test_native_batch_is_each_sequence_alone(wide):
+    """bf16, as the server decodes on this CPU: three sequences in one native step, the second
+    sharing the first's 128-row prefix (read once for both), each row the bits of that
+    sequence decoded alone."""
+    ctx = 200
+    model = Llama(load(wide, torch.bfloat16, "cpu"), ctx, kernels=native.load())
+    assert model.decoder is not None
+    ids = torch.randint(0, VOCAB, (170,), generator=torch.Generator().manual_seed(4)).tolist()
+    a, b, c = (KVSession(model, ctx, 64) for _ in range(3))
+    a.prefill(ids[:150])
+    b.copy_prefix(a, 128)
+    b.prefill(ids[150:170])
+    c.prefill(ids[100:140])
+    toks, pos = [7, 8, 9], [150, 148, 40]
+    both = model.decoder.batch(torch.tensor(toks), pos, [(s.k, s.v) for s in (a, b, c)],
+                               share=[(0, 0), (0, 128), (2, 0)])
+    alone = [model.decoder.batch(torch.tensor([t]), [p], [(s.k, s.v)]) for t, p, s in zip(toks, pos, (a, b, c))]
+    for i in range(3):
+        assert torch.equal(both[i], alone[i][0]), i

@@ -33,7 +33,9 @@ def sdpa(q, k, v, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("H,KV,D", [(9, 3, 64), (16, 8, 128), (4, 1, 256), (8, 8, 80), (32, 2, 64)])
+# (20, 1, 576), (128, 1, 576): GLM-4.7-Flash's and DeepSeek-V3's latent attention (mla.py)
+@pytest.mark.parametrize("H,KV,D", [(9, 3, 64), (16, 8, 128), (4, 1, 256), (8, 8, 80), (32, 2, 64), (20, 1, 576),
+                                    (128, 1, 576)])
 @pytest.mark.parametrize("S", [1, 127, 128, 129, 777])
 def test_against_sdpa(kernel, dtype, H, KV, D, S):
     g = torch.Generator().manual_seed(S * 31 + H)
@@ -57,7 +59,7 @@ def test_against_sdpa(kernel, dtype, H, KV, D, S):
     assert (got.float() - old).abs().max().item() <= (old - want).abs().max().item() + TOL[dtype]
 
 
-@pytest.mark.parametrize("H,KV,D", [(9, 3, 64), (16, 8, 128), (8, 1, 256)])
+@pytest.mark.parametrize("H,KV,D", [(9, 3, 64), (16, 8, 128), (8, 1, 256), (20, 1, 576)])
 @pytest.mark.parametrize("S", [65, 1000, 3001])
 def test_bf16_error_is_no_larger_than_torch_bf16_attention(kernel, H, KV, D, S):
     """bf16 caches: where the CPU has avx512_bf16 the products take bf16 pairs (q and the
@@ -82,8 +84,12 @@ def test_bf16_error_is_no_larger_than_torch_bf16_attention(kernel, H, KV, D, S):
 
 
 def test_takes_only_the_shapes_it_holds(kernel):
-    assert kernel.takes(1, 64) and kernel.takes(16, 256)
-    assert not kernel.takes(17, 64) and not kernel.takes(4, 257)
+    assert kernel.takes(1, 64) and kernel.takes(128, 576)
+    assert not kernel.takes(129, 64) and not kernel.takes(4, 577)
+    prefill = native.load().prefill
+    assert prefill.takes(16, 256) and not prefill.takes(17, 64) and not prefill.takes(4, 257)
+    with pytest.raises(ValueError, match="does not take"):        # the C side's own limits agree
+        kernel(torch.randn(129, 64), torch.randn(1, 10, 64), torch.randn(1, 10, 64), 0.125)
 
 
 def test_independent_of_thread_count(kernel):

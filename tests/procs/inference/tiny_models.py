@@ -169,9 +169,6 @@ CASES = {   # name: (transformers config class, its arguments, GGUF architecture
 
 # their experts decode with torch's ops (the native decoder declines a mixture of experts)
 MOE = ("qwen3moe", "gpt_oss", "glm4moe", "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "qwen3_next", "qwen3_5_moe")
-# decoded by torch's step around the kernels' products, not the whole-step native decoder:
-# latent attention (MLA)
-TORCH_STEP = ("glm4_moe_lite", "deepseek_v2", "deepseek_v3")
 # (1 + w) RMSNorms: their weights randomized around 0 (the DeltaNet's gated norm is plain w)
 ZERO_NORMS = ("gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 HYBRIDS = ("qwen3next", "qwen35", "qwen35moe")
