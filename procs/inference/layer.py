@@ -69,8 +69,10 @@ def build_layer(c, t: dict, i: int, fused: Callable[..., Linear], experts: Calla
     mla = None
     if p + "wkv_a" in t:      # the query's first projection and kv_a read the same rows: one Linear
         wa = fused("wq_a" if p + "wq_a" in t else "wq", "wkv_a")
-        uk_uv = (t[p + "wk_b"], t[p + "wv_b"]) if p + "wk_b" in t else kv_b_split(t[p + "wkv_b"], c.n_heads, c.qk_nope)
-        mla = MLA(c, wa, t.get(p + "q_a_norm"), fused("wq_b") if p + "wq_b" in t else None, t[p + "kv_a_norm"], *uk_uv)
+        if p + "wk_b" not in t:   # kv_b as one tensor (HF checkpoints): its two parts, as llama.cpp's converter writes them
+            t[p + "wk_b"], t[p + "wv_b"] = kv_b_split(t[p + "wkv_b"], c.n_heads, c.qk_nope)
+        mla = MLA(c, wa, t.get(p + "q_a_norm"), fused("wq_b") if p + "wq_b" in t else None, t[p + "kv_a_norm"],
+                  fused("wk_b"), fused("wv_b"))
     return Layer(
         t[p + "attn_norm"],
         gdn.w_in if gdn else mla.wa if mla else fused("wq", "wk", "wv", "wg") if gated else fused("wq", "wk", "wv"),

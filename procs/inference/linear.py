@@ -110,6 +110,11 @@ class Linear:
         return dense(x, self.w)
 
 
+def _rows(w: torch.Tensor) -> torch.Tensor:
+    """A weight as rows: per-head matrices [H, N, K] (latent attention's) as H * N rows."""
+    return w.reshape(-1, w.shape[-1])
+
+
 def fuse(names, t, q4, q8, packed: bool, kernels, q8p=None) -> Linear:
     """Weights concatenated along the output dim: int4 when every part has 4-bit parts, int8
     groups as stored when every part has exact int8 parts (Q8_0, Q5_0; native kernels only),
@@ -120,9 +125,9 @@ def fuse(names, t, q4, q8, packed: bool, kernels, q8p=None) -> Linear:
     if all(n in q4 for n in names):
         parts = tuple(torch.cat(xs) for xs in zip(*(q4[n] for n in names)))
         # the native copy from the parts is the only one: no dense weight to make
-        w = None if kernels is not None and packed else torch.cat([t[n] for n in names]).contiguous()
+        w = None if kernels is not None and packed else torch.cat([_rows(t[n]) for n in names]).contiguous()
         return Linear(w, parts, packed=packed, kernels=kernels, dtype=t["norm"].dtype)
-    w = torch.cat([t[n] for n in names]).contiguous()
+    w = torch.cat([_rows(t[n]) for n in names]).contiguous()
     return Linear(w, int8=all(n in q4 or n in q8 for n in names), packed=packed, kernels=kernels)
 
 

@@ -130,7 +130,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: str) -> LoadedWeights:
             g.release(gname)
             x = tuple(unpermute(t, heads) for t in x) if heads else x
             return x if rot is None else tuple(rot(t) for t in x)
-        flat = len(info.shape) == 2 or ours.endswith("_exps")     # experts: E * N rows (linear.experts)
+        # experts: E * N rows (linear.experts); latent attention's per-head k_b, v_b: H * N rows (mla.py)
+        flat = len(info.shape) == 2 or ours.endswith(("_exps", ".wk_b", ".wv_b"))
         if info.type_name in INT4_TYPES and flat:
             q4.later(ours, lambda parts=parts: parts(q4_parts))
         elif info.type_name in INT8_TYPES or (info.type_name == "MXFP4" and flat):

@@ -17,7 +17,7 @@ softmax scale stays the unabsorbed one, 1/sqrt(nope + rope) (times YaRN's mscale
 squared), in ModelConfig.attn_scale.
 
 Decode on the CPU runs the same math in the whole-step native decoder (kernels/decode.c's
-mla_layer, on uk and uv as the dense matrices here, attention.c over the latent head); this
+mla_layer, on each head's uk and uv rows as heads() holds them, attention.c over the latent head); this
 class is prefill's, CUDA's and --decode-kernels torch's.
 
 RoPE: the rope dims are the last of each query head and of kv_a's row; the loader puts their
@@ -33,25 +33,27 @@ import torch
 import torch.nn.functional as F
 
 from procs.inference.linear import Linear
+from procs.inference.packs import MAT_Q4, MAT_Q8, QROWS, QUANTIZED
 from procs.inference.rope import rotate
 
 
 class MLA:
     def __init__(self, c, wa: Linear, q_a_norm: torch.Tensor | None, wq_b: Linear | None,
-                 kv_a_norm: torch.Tensor, uk: torch.Tensor, uv: torch.Tensor):
+                 kv_a_norm: torch.Tensor, uk: Linear, uv: Linear):
         """c: ModelConfig (kv_lora, q_lora, qk_nope, rope_dims, v_head_dim, n_heads); wa: the
         query's first projection (q_a, or q itself without q_lora) and kv_a in one Linear over
-        the layer's input; uk [H, r, nope] and uv [H, v, r]: kv_b's two parts per head
-        (kv_b_split), W_UK transposed as llama.cpp's converter stores it (attn_k_b). Each
-        head's part is a dense Linear, so the model's lin() runs it as every other linear
-        (exact mode's padded rows, prefill's f32 products, decode in the compute dtype)."""
+        the layer's input; uk [H * r, nope] and uv [H * v, r]: kv_b's two parts, head by head
+        (W_UK transposed as llama.cpp's converter stores it, attn_k_b), as the model's other
+        Linears hold a weight (a quantized file's groups as stored where it has them). Each
+        head's rows are a Linear of their own, so the model's lin() runs it as every other
+        linear (exact mode's padded rows, prefill's f32 products, decode in the compute dtype)."""
         self.H, self.r, self.rope, self.nope, self.v = c.n_heads, c.kv_lora, c.rope_dims, c.qk_nope, c.v_head_dim
         self.q_lora, self.eps = c.q_lora, c.norm_eps
         self.wa, self.q_a_norm, self.wq_b, self.kv_a_norm = wa, q_a_norm, wq_b, kv_a_norm
-        self.uk = [Linear(w.contiguous(), packed=False) for w in uk]     # q_lat[h] = q_nope[h] @ uk[h].T
-        self.uv = [Linear(w.contiguous(), packed=False) for w in uv]     # out[h] = lat[h] @ uv[h].T
+        self.uk = heads(uk, self.H, self.r)     # q_lat[h] = q_nope[h] @ uk[h].T
+        self.uv = heads(uv, self.H, self.v)     # out[h] = lat[h] @ uv[h].T
         half = (self.r + self.rope) // 2
-        self.idx = torch.cat([torch.arange(self.rope // 2), half + torch.arange(self.rope // 2)]).to(uk.device)
+        self.idx = torch.cat([torch.arange(self.rope // 2), half + torch.arange(self.rope // 2)]).to(kv_a_norm.device)
 
     def project(self, h: torch.Tensor, lin: Callable, cos: torch.Tensor, sin: torch.Tensor):
         """The rows h [T, dim] -> (q [T, H, D] absorbed and rotated, k [T, 1, D] = [c, k_pe],
@@ -78,6 +80,20 @@ class MLA:
         T = att.shape[0]
         lat = att.view(T, self.H, self.r + self.rope)
         return torch.cat([lin(self.uv[i], lat[:, i, :self.r].contiguous()) for i in range(self.H)], dim=1)
+
+def heads(lin: Linear, H: int, n: int) -> list[Linear]:
+    """A Linear of H heads' n rows each as H Linears over the same memory: views of a dense
+    weight, or of the kernels' packed groups where whole blocks make a head (else the heads'
+    values dequantized once)."""
+    mat = lin.mat
+    if mat is not None and mat.kind in QUANTIZED:
+        if mat.kind not in (MAT_Q4, MAT_Q8) or n % QROWS == 0:
+            return [Linear.of(mat.rows(h * n, n), lin.kernels, lin.dtype) for h in range(H)]
+        w = lin.w.clone()           # (lin.w of a quantized copy is a shared buffer)
+    else:
+        w = lin.w
+    return [Linear(w[h * n:(h + 1) * n], packed=False, kernels=lin.kernels) for h in range(H)]
+
 
 def kv_b_split(kv_b: torch.Tensor, H: int, nope: int) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_b_proj [H * (nope + v), r] -> (uk [H, r, nope], uv [H, v, r])."""

@@ -196,9 +196,9 @@ class Decoder:
 
     def _mla(self, mla, f32) -> MlaW:
         """A latent-attention layer's constants as decode.c's mla_layer reads them: each head's
-        W_UK and W_UV as the dense matrices torch's step multiplies by (no copy)."""
-        uk = [pack(lin.w) for lin in mla.uk]
-        uv = [pack(lin.w) for lin in mla.uv]
+        W_UK and W_UV rows as mla.heads holds them (packed groups, or the dense rows; no copy)."""
+        uk = [lin.mat if lin.mat is not None else pack(lin.w) for lin in mla.uk]
+        uv = [lin.mat if lin.mat is not None else pack(lin.w) for lin in mla.uv]
         uks, uvs = (Mat * mla.H)(*(p.mat() for p in uk)), (Mat * mla.H)(*(p.mat() for p in uv))
         w = MlaW(mla.r, mla.rope, mla.nope, mla.v, mla.q_lora if mla.wq_b is not None else 0, 0,
                  f32(mla.q_a_norm if mla.wq_b is not None else None), f32(mla.kv_a_norm),

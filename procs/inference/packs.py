@@ -29,6 +29,14 @@ class Packed(NamedTuple):
     s: torch.Tensor | None
     n: int = 0
 
+    def rows(self, start: int, count: int) -> "Packed":
+        """Rows start..start+count-1 as a Packed of their own (views, no copy): whole blocks
+        of QROWS for int4 and int8, whose blocks interleave their rows."""
+        if self.kind in (MAT_Q4, MAT_Q8) and (start % QROWS or count % QROWS):
+            raise ValueError(f"int4 and int8 rows are taken in blocks of {QROWS}")
+        return Packed(self.kind, self.w[start:start + count], None if self.s is None else self.s[start:start + count],
+                      count)
+
     def mat(self) -> Mat:
         num, den = {MAT_Q4: (2, 1), MAT_Q5: (8, 5)}.get(self.kind, (1, 1))   # values per stored byte/element
         n, k = self.n or self.w.shape[0], self.w.shape[1] * num // den

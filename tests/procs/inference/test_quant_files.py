@@ -48,13 +48,22 @@ def _dequantized(m, qtype):
     """The transformers model with each 2-D weight replaced by the file's values. Rows are
     quantized independently, so the converter's Q/K row permutation commutes with this."""
     ref = copy.deepcopy(m)
+
+    def file(a: torch.Tensor) -> torch.Tensor:
+        x = a.detach().float().contiguous().numpy()
+        return torch.from_numpy(dequantize(quantize(x, qtype), qtype).reshape(x.shape))
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            # as _write_gguf (gpt-oss's expert biases are 2-D; MLA's kv_b goes as two 3-D
-            # parts, kept as the stacked experts are)
+            # as _write_gguf (gpt-oss's expert biases are 2-D)
             if p.ndim == 2 and "bias" not in name and "kv_b_proj" not in name:
-                a = p.detach().float().numpy()
-                p.copy_(torch.from_numpy(dequantize(quantize(a, qtype), qtype).reshape(a.shape)))
+                p.copy_(file(p))
+            elif "kv_b_proj" in name:   # MLA's kv_b goes as its per-head parts, rows of nope and of r
+                c = m.config
+                kv = p.detach().view(c.num_attention_heads, -1, c.kv_lora_rank)
+                k, v = kv[:, :c.qk_nope_head_dim].transpose(1, 2), kv[:, c.qk_nope_head_dim:]
+                k = file(k) if k.shape[-1] % 32 == 0 else k
+                v = file(v) if v.shape[-1] % 32 == 0 else v
+                p.copy_(torch.cat([k.transpose(1, 2), v], dim=1).reshape(p.shape))
     return ref
 
 

@@ -369,6 +369,8 @@ def _write_gguf(m, path: str, arch: str, qtype=None, experts_qtype=None, tokeniz
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         # weights only: llama.cpp's quantizer keeps biases (gpt-oss's experts' are 2-D) in F32
         q = None if not gname.endswith(".weight") else experts_qtype if a.ndim == 3 else qtype if a.ndim == 2 else None
+        if gname.endswith(("attn_k_b.weight", "attn_v_b.weight")):   # per-head 2-D matrices, quantized as
+            q = qtype if a.shape[-1] % 32 == 0 else None           # such where their rows make whole blocks
         if "ssm_conv1d" in gname:      # llama.cpp keeps the convolution (rows of 4) in F32
             q = None
         if q is not None:
