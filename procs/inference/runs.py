@@ -307,13 +307,8 @@ class Runs:
             while len(self.ended) > MAX_ENDED:
                 self.ended.popitem(last=False)
         self.make_room(0, {run.sid}, False, job.unsaved)   # the session grew: others may leave
-        self.send(self.done(job.rid, reason, run))
-        source = "disk" if job.restore and run.r else ("live" if run.r else "cold")
         todo, n, d = len(run.ids) - run.r, run.n, run.drafts
-        self.log.info("job %s: %s, cached %d, suffix %d prefilled in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s%s, %s",
-                      job.rid, source, run.r, todo, t1 - run.t0, todo / max(t1 - run.t0, 1e-9), n,
-                      n / max(t2 - t1, 1e-9), f" ({d.kept} of {d.drafted} drafted kept)" if d and d.drafted else "",
-                      reason)
+        # counted before the client hears the job is done: a scrape after the answer sees it
         if d and d.drafted:
             metrics.M.drafted.inc(d.drafted)
             metrics.M.draft_kept.inc(d.kept)
@@ -323,6 +318,12 @@ class Runs:
             metrics.M.decode_rate.observe(n / max(t2 - t1, 1e-9))
         metrics.M.live_tokens.set(self.sessions.tokens)
         metrics.M.live_sessions.set(len(self.sessions))
+        self.send(self.done(job.rid, reason, run))
+        source = "disk" if job.restore and run.r else ("live" if run.r else "cold")
+        self.log.info("job %s: %s, cached %d, suffix %d prefilled in %.2f s (%.0f tok/s), %d tokens at %.1f tok/s%s, %s",
+                      job.rid, source, run.r, todo, t1 - run.t0, todo / max(t1 - run.t0, 1e-9), n,
+                      n / max(t2 - t1, 1e-9), f" ({d.kept} of {d.drafted} drafted kept)" if d and d.drafted else "",
+                      reason)
         metrics.M.resident_bytes.set(self.sessions.nbytes)
         if self.model.device.type == "cuda":
             metrics.M.device_peak.set(torch.cuda.max_memory_allocated(self.model.device))
