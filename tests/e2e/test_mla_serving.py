@@ -22,6 +22,8 @@ def served(tmp_path_factory):
 
 def test_latent_cache_serves_the_next_turn_live_and_after_a_restart(served):
     srv, trace = served
+    log = srv.log_path.read_text()
+    assert "decode: one native call per token" in log, log[-3000:]      # decode.c's mla_layer
     first = [{"role": "system", "content": "You are a terse assistant. " * 110},
              {"role": "user", "content": "Name three prime numbers."}]
     a = ask(srv, first)
