@@ -106,8 +106,7 @@ class ModelW(ctypes.Structure):
                 ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2),
                 ("layers", ctypes.POINTER(LayerW)), ("norm", ctypes.c_void_p), ("head", Mat),
                 ("q_scale", ctypes.c_void_p), ("lin_in", ctypes.c_int32), ("lin_out", ctypes.c_int32),
-                ("conv_slot", ctypes.c_long), ("ssm_slot", ctypes.c_long), ("mla_row", ctypes.c_int32),
-                ("pad2", ctypes.c_int32)]
+                ("conv_slot", ctypes.c_long), ("ssm_slot", ctypes.c_long)]
 
 
 # ------------------------------------------------------------------ the kernels
@@ -173,9 +172,6 @@ class Decoder:
             step = next(ly.gdn.native for ly in model.layers if ly.gdn is not None)
             m.lin_in, m.lin_out = step.width, step.w.nv * step.w.dv
             m.conv_slot, m.ssm_slot = step.state_values
-        if c.kv_lora:     # decode.c's mla_layer: the first projection, the query, the absorbed query
-            first = next(ly.wqkv.mat.mat().n for ly in model.layers if ly.mla is not None)
-            m.mla_row = first + c.n_heads * (c.qk_nope + c.rope_dims) + c.n_heads * c.head_dim
         self.vocab = m.head.n
         self.scratch = torch.empty(0)
 
@@ -196,14 +192,11 @@ class Decoder:
 
     def _mla(self, mla, f32) -> MlaW:
         """A latent-attention layer's constants as decode.c's mla_layer reads them: each head's
-        W_UK and W_UV rows as mla.heads holds them (packed groups, or the dense rows; no copy)."""
-        uk = [lin.mat if lin.mat is not None else pack(lin.w) for lin in mla.uk]
-        uv = [lin.mat if lin.mat is not None else pack(lin.w) for lin in mla.uv]
-        uks, uvs = (Mat * mla.H)(*(p.mat() for p in uk)), (Mat * mla.H)(*(p.mat() for p in uv))
-        w = MlaW(mla.r, mla.rope, mla.nope, mla.v, mla.q_lora if mla.wq_b is not None else 0, 0,
-                 f32(mla.q_a_norm if mla.wq_b is not None else None), f32(mla.kv_a_norm),
+        W_UK and W_UV rows as mla.heads holds them (packed groups, or views of the dense rows)."""
+        uks, uvs = ((Mat * mla.H)(*(lin.mat.mat() for lin in hs)) for hs in (mla.uk, mla.uv))
+        w = MlaW(mla.r, mla.rope, mla.nope, mla.v, mla.q_lora, 0, f32(mla.q_a_norm), f32(mla.kv_a_norm),
                  mla.wq_b.mat.mat() if mla.wq_b is not None else Mat(), ctypes.addressof(uks), ctypes.addressof(uvs))
-        self._keep.extend([uk, uv, uks, uvs, w])
+        self._keep.extend([uks, uvs, w])
         return w
 
     def __call__(self, ids: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor, state=None) -> torch.Tensor:

@@ -42,7 +42,6 @@ typedef struct {
     const float *q_scale;         /* [ctx]: q times q_scale[pos] after RoPE (Ministral 3); NULL: 1 */
     int32_t lin_in, lin_out;      /* a DeltaNet's in-projection rows and output width (0: none) */
     long conv_slot, ssm_slot;     /* elements of one layer's convolution inputs and state */
-    int32_t mla_row, pad2;        /* floats a latent-attention layer's projections take per row (0: none) */
 } ModelW;
 
 static void rms_norm(const float *x, const float *w, float eps, int n, float *out) {
@@ -61,25 +60,10 @@ static inline float table(const void *t, int bf16, long i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)t)[i]) : ((const float *)t)[i];
 }
 
-/* x*cos + roll(x, D/2)*sin on each of n heads (the model's half-split RoPE) */
-static void rope(float *x, int n, int D, const void *cos, const void *sin, int bf16, int pos) {
-    float c[MAX_D], s[MAX_D], t[MAX_D];
-    const int half = D / 2;
-    for (int i = 0; i < D; i++) {
-        c[i] = table(cos, bf16, (long)pos * D + i);
-        s[i] = table(sin, bf16, (long)pos * D + i);
-    }
-    for (int h = 0; h < n; h++) {
-        float *v = x + (long)h * D;
-        for (int i = 0; i < D; i++) t[i] = v[i] * c[i] + v[i < half ? i + half : i - half] * s[i];
-        memcpy(v, t, sizeof(float) * D);
-    }
-}
-
-/* The rotary part of n latent-attention vectors (R dims each, stride apart), rotated by the
- * model's [ctx][Dt] tables' columns for R dims: the first R/2 of each half (mla.py's idx) */
-static void rope_part(float *x, int n, long stride, int R, const void *cos, const void *sin, int bf16, int Dt,
-                      int pos) {
+/* x*cos + roll(x, R/2)*sin on n vectors of R dims (stride apart), the model's half-split RoPE
+ * from its [ctx][Dt] tables: a head of Dt dims reads every column (R = Dt); latent
+ * attention's rotary part (R < Dt) the first R/2 of each half (mla.py's idx) */
+static void rope(float *x, int n, long stride, int R, const void *cos, const void *sin, int bf16, int Dt, int pos) {
     float c[MAX_D], s[MAX_D], t[MAX_D];
     const int half = R / 2;
     for (int i = 0; i < R; i++) {
@@ -120,19 +104,32 @@ static int residual(const Mat *w, const float *bias, int B, const float *in, lon
     return 0;
 }
 
+/* Floats a latent-attention layer's projections take per activation row (mla_layer's buf: the
+ * first projection, the query, the absorbed query); 0 without such layers */
+static long mla_row(const ModelW *m) {
+    long most = 0;
+    for (int l = 0; l < m->n_layers; l++) {
+        const LayerW *L = m->layers + l;
+        if (L->mla) {
+            const long row = L->qkv.n + (long)m->H * (L->mla->nope + L->mla->rope) + (long)m->H * m->D;
+            most = row > most ? row : most;
+        }
+    }
+    return most;
+}
+
 /* A latent-attention layer on B normed rows h: its projections, the K/V rows [c, k_pe] and
  * [c, 0] written at pos[b], each head's query absorbed (W_UK), attention over the one K/V
- * head, each head's latent output expanded (W_UV): buf row b (m->mla_row floats, scratch)
+ * head, each head's latent output expanded (W_UV): buf row b (ld >= mla_row(m) floats apart)
  * ends holding [H*v] for the output projection. The caches, lead and shared as decode_batch
  * takes them; att [B][H*D] and att_scratch are decode_batch's. */
 static int mla_layer(const ModelW *m, const LayerW *L, int B, const float *h, const int *pos, void *const *kc,
                      void *const *vc, const long *layer_stride, const long *head_stride, const int *lead,
-                     const int *shared, float *buf, float *att, float *att_scratch) {
+                     const int *shared, float *buf, long ld, float *att, float *att_scratch) {
     const MlaW *A = L->mla;
     const int H = m->H, D = m->D, r = A->r, R = A->rope, nope = A->nope, qd = nope + R;
     const int nq = A->q_lora ? A->q_lora : H * qd, wa = nq + r + R, esz = m->kv_bf16 ? 2 : 4;
-    const long ld = m->mla_row;
-    if (D != r + R || m->KV != 1 || wa + (long)H * qd + (long)H * D > ld) return -1;
+    if (D != r + R || m->KV != 1 || L->qkv.n != wa) return -1;
     /* a row of buf: the first projection [wa], the query [H*qd] (q_lora), the absorbed query [H*D] */
     float *q = A->q_lora ? buf + wa : buf, *Q = buf + wa + (long)H * qd, kv[MAX_D];
     if (mat_mul(&L->qkv, B, h, m->dim, buf, ld)) return -1;
@@ -149,10 +146,10 @@ static int mla_layer(const ModelW *m, const LayerW *L, int B, const float *h, co
         const float *a = buf + b * ld, *qb = q + b * ld;
         float *Qb = Q + b * ld;
         for (int i = 0; i < H; i++) memcpy(Qb + (long)i * D + r, qb + (long)i * qd + nope, sizeof(float) * R);
-        rope_part(Qb + r, H, D, R, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, D, pos[b]);
+        rope(Qb + r, H, D, R, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, D, pos[b]);
         rms_norm(a + nq, A->kv_a_norm, m->eps, r, kv);
         memcpy(kv + r, a + nq + r, sizeof(float) * R);
-        rope_part(kv + r, 1, 0, R, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, D, pos[b]);
+        rope(kv + r, 1, 0, R, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, D, pos[b]);
         const long base = L->kv * layer_stride[b];
         store_rows(kc[b], m->kv_bf16, base + (long)pos[b] * D, kv, D);
         memset(kv + r, 0, sizeof(float) * R);
@@ -173,8 +170,8 @@ static int mla_layer(const ModelW *m, const LayerW *L, int B, const float *h, co
 
 /* Scratch floats one activation row takes (every buffer of a step, but attention's) */
 static long row_floats(const ModelW *m) {
-    return 3L * m->dim + imax(imax((2 * m->H + 2 * m->KV) * m->D, m->lin_in), m->mla_row) +
-           imax(m->H * m->D, m->lin_out) + 2L * m->ffn;
+    const long qkv = imax((2 * m->H + 2 * m->KV) * m->D, m->lin_in), mla = mla_row(m);
+    return 3L * m->dim + (qkv > mla ? qkv : mla) + imax(m->H * m->D, m->lin_out) + 2L * m->ffn;
 }
 
 long decode_batch_scratch(const ModelW *m, int B, int S) {
@@ -199,7 +196,8 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
     const int dim = m->dim, H = m->H, KV = m->KV, D = m->D, ffn = m->ffn, esz = m->kv_bf16 ? 2 : 4;
     if (D > MAX_D || H % KV || B < 1) return -1;
     const int QKV0 = (H + 2 * KV) * D;
-    const long qkv_max = imax(imax(QKV0 + H * D, m->lin_in), m->mla_row), att_max = imax(H * D, m->lin_out);
+    const long mla = mla_row(m), qkv_min = imax(QKV0 + H * D, m->lin_in), att_max = imax(H * D, m->lin_out);
+    const long qkv_max = qkv_min > mla ? qkv_min : mla;
     float *h = scratch, *o = h + (long)B * dim, *qkv = o + (long)B * dim, *att = qkv + (long)B * qkv_max;
     float *gu = att + (long)B * att_max, *mo = gu + (long)B * 2 * ffn, *att_scratch = mo + (long)B * dim;
     const float *qs[B];
@@ -223,8 +221,8 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
             goto mlp;
         }
         if (L->mla) {
-            if (mla_layer(m, L, B, h, pos, kc, vc, layer_stride, head_stride, lead, shared, qkv, att, att_scratch) ||
-                residual(&L->wo, L->bo, B, qkv, m->mla_row, L->post_attn_norm, m->eps, dim, x, dim, o))
+            if (mla_layer(m, L, B, h, pos, kc, vc, layer_stride, head_stride, lead, shared, qkv, mla, att, att_scratch) ||
+                residual(&L->wo, L->bo, B, qkv, mla, L->post_attn_norm, m->eps, dim, x, dim, o))
                 return -1;
             goto mlp;
         }
@@ -238,7 +236,7 @@ int decode_batch(const ModelW *m, int B, float *x, const int *pos, void *const *
                 for (int i = 0; i < H; i++) rms_norm(q + i * D, L->q_norm, m->eps, D, q + i * D);
                 for (int i = 0; i < KV; i++) rms_norm(k + i * D, L->k_norm, m->eps, D, k + i * D);
             }
-            rope(q, H + KV, D, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, pos[b]);
+            rope(q, H + KV, D, D, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, D, pos[b]);
             if (m->q_scale)
                 for (int i = 0; i < H * D; i++) q[i] *= m->q_scale[pos[b]];
             const long base = L->kv * layer_stride[b], hs = head_stride[b];
