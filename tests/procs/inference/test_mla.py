@@ -212,12 +212,15 @@ def test_native_step_is_torch_step(wide):
         tok = int(sb.logits.argmax())
         worst = max(worst, (sa.decode(tok) - sb.decode(tok)).abs().max().item())
     # f32 rounding; with int8 activations (qdot.c) a rounding's last bit moves an activation
-    # by one step of its group's int8 scale now and then
-    tol = 1e-3 if qtype is None else 0.05
+    # by one step of its group's int8 scale now and then, and the logits (|logits| ~6) of that
+    # step and the next (and the K/V rows they write, ~1 in size) by up to ~0.16 on the AVX2 and
+    # portable builds (on most steps the two are bit for bit alike; test_moe_packs'
+    # MOE_ACT_TOL); a head read from the wrong rows moves them by whole units
+    tol, kv_tol = (1e-3, 1e-4) if qtype is None else (0.25, 0.25)
     assert worst < tol, worst
     new = slice(n, n + 8)
     for a, b in ((sa.k, sb.k), (sa.v, sb.v)):
-        assert (a[:, :, new] - b[:, :, new]).abs().max().item() < tol / 10
+        assert (a[:, :, new] - b[:, :, new]).abs().max().item() < kv_tol
         assert a[:, :, new, :mine.cfg.kv_lora].abs().amax(dim=-1).min().item() > 0
     print(f"\n{path}: worst logit difference {worst:.2g}")
 
