@@ -159,31 +159,45 @@ def load_text(path: str, template_file: str = "") -> TextModel:
 KV_MEMORY_SHARE = 0.25
 
 
-def trained_of(context: int, layers: int, kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """(trained context, K/V bytes per token in f32): what context_size needs of a model."""
-    return context, 2 * 4 * layers * kv_heads * head_dim
+def trained_of(context: int, layers: int, kv_heads: int, head_dim: int, tensors: int = 2) -> tuple[int, int]:
+    """(trained context, K/V bytes per token in f32): what context_size needs of a model
+    (tensors: 1 where V rows are K's, latent attention)."""
+    return context, tensors * 4 * layers * kv_heads * head_dim
 
 
 def _trained(path: str) -> tuple[int, int]:
-    """(trained context, K/V bytes per token in f32) from a model's config."""
+    """(trained context, K/V bytes per token in f32) from a model's config, as the inference
+    process's session holds them: latent attention (DeepSeek, GLM-4.7-Flash) one head of
+    kv_lora + rope dims, K rows only; a hybrid (Qwen3-Next, Qwen3.5) rows for its
+    full-attention layers only."""
     if os.path.isdir(path):
         import json
         with open(os.path.join(path, "config.json")) as f:
             c = json.load(f)
         c = c.get("text_config", c)
-        heads = int(c.get("num_attention_heads", 1))
+        n, heads = int(c.get("num_hidden_layers", 1)), int(c.get("num_attention_heads", 1))
+        ctx = int(c.get("max_position_embeddings", 4096))
+        if c.get("kv_lora_rank"):
+            return trained_of(ctx, n, 1, int(c["kv_lora_rank"]) + int(c["qk_rope_head_dim"]), 1)
         head_dim = int(c.get("head_dim") or int(c.get("hidden_size", heads)) // heads)
-        return trained_of(int(c.get("max_position_embeddings", 4096)), int(c.get("num_hidden_layers", 1)),
-                          int(c.get("num_key_value_heads", heads)), head_dim)
+        if "linear_num_value_heads" in c:
+            types = c.get("layer_types")
+            n = sum(t != "linear_attention" for t in types) if types else n // int(c.get("full_attention_interval") or 4)
+        return trained_of(ctx, n, int(c.get("num_key_value_heads", heads)), head_dim)
     try:
         g = GGUFFile(path, strings=False)
     except GGUFError as e:
         raise ModelError(str(e)) from None
     p = g.arch() + "."
-    heads = int(g.meta.get(p + "attention.head_count", 1))
-    head_dim = int(g.meta.get(p + "attention.key_length", int(g.meta.get(p + "embedding_length", heads)) // heads))
-    return trained_of(int(g.meta.get(p + "context_length", 4096)), int(g.meta.get(p + "block_count", 1)),
-                      int(g.meta.get(p + "attention.head_count_kv", heads)), head_dim)
+    get = lambda k, d=None: g.meta.get(p + k, d)
+    n, heads, ctx = int(get("block_count", 1)), int(get("attention.head_count", 1)), int(get("context_length", 4096))
+    n -= int(get("nextn_predict_layers", 0))        # multi-token prediction layers: not run, no rows
+    if get("attention.kv_lora_rank"):
+        return trained_of(ctx, n, 1, int(get("attention.kv_lora_rank")) + int(get("rope.dimension_count")), 1)
+    if get("ssm.time_step_rank") is not None:
+        n //= int(get("full_attention_interval", 4))
+    head_dim = int(get("attention.key_length", int(get("embedding_length", heads)) // heads))
+    return trained_of(ctx, n, int(get("attention.head_count_kv", heads)), head_dim)
 
 
 def context_size(path: str, requested: int, warn: bool = True, trained: tuple[int, int] | None = None) -> int:

@@ -55,8 +55,11 @@ class KVSession:
         # rows are allocated as the session grows (reserve), so a short conversation kept
         # resident costs its own length, not the whole context
         shape = (c.kv_layers, c.n_kv_heads, 0, c.head_dim)
+        # latent attention's V rows are its K rows (mla.py): one tensor, self.v is self.k, and
+        # every write of V rows writes the K rows' own values
+        self.one_kv = c.kv_tensors == 1
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
-        self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.v = self.k if self.one_kv else torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.tokens: list[int] = []
         self.logits: torch.Tensor | None = None   # float32 [V], after the last token
         self.windows = list(c.windows) if c.windows else [0] * c.kv_layers   # 0: a global layer
@@ -76,9 +79,8 @@ class KVSession:
     def nbytes(self) -> int:
         """Memory the session's K/V rows take (its capacity, not only its length), and its
         recurrent state."""
-        if self.state is None:
-            return 2 * self.k.numel() * self.k.element_size()
-        return 2 * self.k.numel() * self.k.element_size() + self.state.nbytes * (1 + len(self.marks))
+        rows = (1 if self.one_kv else 2) * self.k.numel() * self.k.element_size()
+        return rows if self.state is None else rows + self.state.nbytes * (1 + len(self.marks))
 
     def capacity_for(self, n: int) -> int:
         """The capacity reserve(n) grows to: whole chunks, at least double the current one
@@ -103,7 +105,7 @@ class KVSession:
         if cap == self.k.shape[2]:
             return
         held = min(len(self.tokens), self.k.shape[2])
-        for name in ("k", "v"):
+        for name in ("k",) if self.one_kv else ("k", "v"):
             old = getattr(self, name)
             # empty, not zeros: rows past the length are never read (a windowed layer's rows
             # below its floor neither), so on the CPU their pages stay untouched and cost no
@@ -117,6 +119,8 @@ class KVSession:
             if self.exact:
                 new[:, :, held:].zero_()
             setattr(self, name, new)
+        if self.one_kv:
+            self.v = self.k
 
     def copy_prefix(self, src: "KVSession", n: int) -> None:
         """Become the first n tokens of src (another session of the same model): its rows
@@ -127,7 +131,8 @@ class KVSession:
         self.version, self.cuts = next(_VERSIONS), []
         self.reserve(n, huge=range(len(self.windows)) if self.huge_pages else ())
         self.k[:, :, :n] = src.k[:, :, :n]
-        self.v[:, :, :n] = src.v[:, :, :n]
+        if not self.one_kv:
+            self.v[:, :, :n] = src.v[:, :, :n]
         self.floors = list(src.floors)
         if self.state is not None:          # can_keep: all of src or one of its marks
             self.state.copy_(src.state_at(n))
@@ -283,13 +288,13 @@ class KVSession:
             raise ValueError("a session with a recurrent state is checkpointed through disk.Disk.save")
         if not any(self.windows):
             k = self.k[:, :, :n].transpose(1, 2).contiguous()
-            v = self.v[:, :, :n].transpose(1, 2).contiguous()
+            v = k if self.one_kv else self.v[:, :, :n].transpose(1, 2).contiguous()
             return list(self.tokens[:n]), k, v
         if not self.can_export(n):
             raise ValueError(f"the session does not hold the rows of a checkpoint of {n} tokens")
         rows = self.rows(n)
         k = [self.k[i, :, n - r:n].transpose(0, 1).contiguous() for i, r in enumerate(rows)]
-        v = [self.v[i, :, n - r:n].transpose(0, 1).contiguous() for i, r in enumerate(rows)]
+        v = k if self.one_kv else [self.v[i, :, n - r:n].transpose(0, 1).contiguous() for i, r in enumerate(rows)]
         return list(self.tokens[:n]), k, v
 
     def import_(self, tokens: list[int], logits: torch.Tensor | None, k, v, state=None) -> None:
@@ -314,11 +319,13 @@ class KVSession:
         self.reserve(n, huge=[li for li, r in enumerate(rows) if r == n] if self.huge_pages else ())
         if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):   # all n rows: one copy
             self.k[:, :, :n] = k.to(self.k.device, self.k.dtype).transpose(1, 2)
-            self.v[:, :, :n] = v.to(self.v.device, self.v.dtype).transpose(1, 2)
+            if not self.one_kv:     # (a checkpoint's V of latent attention: K's rows, or [c, 0] before)
+                self.v[:, :, :n] = v.to(self.v.device, self.v.dtype).transpose(1, 2)
         else:
             for i, r in enumerate(rows):
                 self.k[i, :, n - r:n] = k[i].to(self.k.device, self.k.dtype).transpose(0, 1)
-                self.v[i, :, n - r:n] = v[i].to(self.v.device, self.v.dtype).transpose(0, 1)
+                if not self.one_kv:
+                    self.v[i, :, n - r:n] = v[i].to(self.v.device, self.v.dtype).transpose(0, 1)
         self.floors = [n - r for r in rows]
         self.tokens = list(tokens)
         if state is not None:

@@ -9,8 +9,10 @@ A token's keys and values are all functions of one compressed row: c = RMSNorm(k
     q[h] . k[h] = (W_UK[h]^T q_nope[h]) . c + q_pe[h] . k_pe        (absorb W_UK into the query)
     sum_j p_j v_j[h] = W_UV[h] (sum_j p_j c_j)                       (apply W_UV after attention)
 
-which is multi-query attention with one K/V head of D = r + rope dims: K rows [c, k_pe], V
-rows [c, 0] (the rotary part's value is zero, so the output's last dims are 0 and dropped).
+which is multi-query attention with one K/V head of D = r + rope dims: K rows [c, k_pe], and V
+rows the K rows themselves (the output's first r dims are sum_j p_j c_j; its last rope dims,
+sums of k_pe, are dropped before W_UV), so a session keeps one tensor of rows
+(KVSession.one_kv, ModelConfig.kv_tensors) and what writes V rows writes K's values.
 The cache geometry (weights.ModelConfig: n_kv_heads 1, head_dim r + rope) and every attention
 kernel are the ones other models use; only the projections around them are MLA's. The
 softmax scale stays the unabsorbed one, 1/sqrt(nope + rope) (times YaRN's mscale_all_dim
@@ -57,7 +59,8 @@ class MLA:
 
     def project(self, h: torch.Tensor, lin: Callable, cos: torch.Tensor, sin: torch.Tensor):
         """The rows h [T, dim] -> (q [T, H, D] absorbed and rotated, k [T, 1, D] = [c, k_pe],
-        v [T, D] = [c, 0]) for the model's attend(); cos/sin: the rows' [T, 1, D] tables."""
+        v [T, D]: k's rows, as the session's one tensor holds them) for the model's attend();
+        cos/sin: the rows' [T, 1, D] tables."""
         T, H, r = h.shape[0], self.H, self.r
         a = lin(self.wa, h)
         nq = a.shape[1] - r - self.rope
@@ -72,8 +75,7 @@ class MLA:
         q_lat = torch.stack([lin(self.uk[i], q[:, i, :self.nope].contiguous()) for i in range(H)], dim=1)
         q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)                 # [T, H, D]
         k = torch.cat([c, k_pe[:, 0].to(c.dtype)], dim=-1).unsqueeze(1)      # [T, 1, D]
-        v = torch.cat([c, c.new_zeros(T, self.rope)], dim=-1)                # [T, D]
-        return q, k, v
+        return q, k, k[:, 0]
 
     def expand(self, att: torch.Tensor, lin: Callable) -> torch.Tensor:
         """attend()'s [T, H * D] (latent rows per head) -> [T, H * v] for the output projection."""

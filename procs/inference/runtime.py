@@ -113,7 +113,7 @@ def build(s: Settings) -> tuple[Llama, int, float]:
     if s.deterministic and c.linear_layers:    # their blocked prefill's rows depend on where chunks begin
         raise ValueError("--deterministic is not supported for models with linear-attention layers "
                          "(Qwen3-Next, Qwen3.5)")     # a GGUF's fields, as the renderer reads them from the file (an HF dir's may differ)
-    ctx = context_size(path, s.ctx_size, trained=trained_of(c.max_context, c.kv_layers, c.n_kv_heads, c.head_dim)
+    ctx = context_size(path, s.ctx_size, trained=trained_of(c.max_context, c.kv_layers, c.n_kv_heads, c.head_dim, c.kv_tensors)
                        if os.path.isfile(path) else None)
     kernels = native.load() if s.decode_kernels == "native" and device == "cpu" else None
     packed = s.decode_weights == "packed"

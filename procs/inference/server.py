@@ -92,7 +92,7 @@ class Worker(Placement, Runs):
         self.sessions = Sessions(lambda: KVSession(self.model, self.n_ctx, s.chunk_size, exact=s.deterministic),
                                  budget_bytes(s.kv_ram_space_mb, self.model.device), s.max_live_sessions)
         c = self.model.cfg
-        self.row_bytes = 2 * c.kv_layers * c.n_kv_heads * c.head_dim * self.model.norm.element_size()
+        self.row_bytes = c.kv_tensors * c.kv_layers * c.n_kv_heads * c.head_dim * self.model.norm.element_size()
         self.guides = Guides(load_text(resolve(s.model, s.models_path())))
         log.info("model loaded in %.2f s on %s, context %d: %s", load_s, self.model.device, self.n_ctx,
                  explain(s, self.model))

@@ -91,6 +91,12 @@ class ModelConfig:
         """The layers that hold K/V rows (all but the linear-attention ones)."""
         return self.n_layers - sum(self.linear_layers)
 
+    @property
+    def kv_tensors(self) -> int:
+        """The row tensors a session keeps: K and V, or K alone for latent attention, whose V
+        rows are its K rows (mla.py)."""
+        return 1 if self.kv_lora else 2
+
     def is_linear(self, i: int) -> bool:
         """Whether layer i is a Gated DeltaNet."""
         return bool(self.linear_layers) and self.linear_layers[i]

@@ -118,9 +118,10 @@ static long mla_row(const ModelW *m) {
     return most;
 }
 
-/* A latent-attention layer on B normed rows h: its projections, the K/V rows [c, k_pe] and
- * [c, 0] written at pos[b], each head's query absorbed (W_UK), attention over the one K/V
- * head, each head's latent output expanded (W_UV): buf row b (ld >= mla_row(m) floats apart)
+/* A latent-attention layer on B normed rows h: its projections, the K row [c, k_pe] written at
+ * pos[b] (the V rows are the K rows, mla.py: one tensor where the session keeps one, else the
+ * same values written twice), each head's query absorbed (W_UK), attention over the one K/V
+ * head, each head's latent output's first r dims expanded (W_UV): buf row b (ld >= mla_row(m) floats apart)
  * ends holding [H*v] for the output projection. The caches, lead and shared as decode_batch
  * takes them; att [B][H*D] and att_scratch are decode_batch's. */
 static int mla_layer(const ModelW *m, const LayerW *L, int B, const float *h, const int *pos, void *const *kc,
@@ -152,8 +153,7 @@ static int mla_layer(const ModelW *m, const LayerW *L, int B, const float *h, co
         rope(kv + r, 1, 0, R, m->cos[L->rope], m->sin[L->rope], m->rope_bf16, D, pos[b]);
         const long base = L->kv * layer_stride[b];
         store_rows(kc[b], m->kv_bf16, base + (long)pos[b] * D, kv, D);
-        memset(kv + r, 0, sizeof(float) * R);
-        store_rows(vc[b], m->kv_bf16, base + (long)pos[b] * D, kv, D);
+        if (vc[b] != kc[b]) store_rows(vc[b], m->kv_bf16, base + (long)pos[b] * D, kv, D);
         qs[b] = Qb;
         ks[b] = (const char *)kc[b] + base * esz;
         vs[b] = (const char *)vc[b] + base * esz;

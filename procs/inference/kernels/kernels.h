@@ -71,7 +71,7 @@ int gdn_step(const GdnW *w, int B, const float *p, long ldp, void *const *conv, 
 /* A latent-attention layer (DeepSeek's MLA, GLM-4.7-Flash), absorbed as procs/inference/mla.py
  * runs it: its first projection (LayerW.qkv) gives the query's rows (q_lora of them, or the
  * query itself), then kv_a's r latent and rope rotary values; the cache's one K/V head of
- * D = r + rope holds K rows [c, k_pe] and V rows [c, 0] (decode.c) */
+ * D = r + rope holds K rows [c, k_pe], which are its V rows too (decode.c) */
 typedef struct {
     int32_t r, rope, nope, v, q_lora, pad;  /* latent rank, rotary dims, a query head's other dims, value
                                                dims, the query's rank (0: the first projection is q) */

@@ -339,3 +339,21 @@ def test_checkpoint_of_another_architecture_is_refused(build, tmp_path, text_mod
         assert str(e.value) == "fingerprint mismatch"
     finally:
         hb.close()
+
+
+def test_every_process_counts_the_same_kv_bytes(case):
+    """The renderer sizes the context from the file's fields (common/models._trained), the
+    inference process from the model it loaded; both must give one figure, that of the rows a
+    session really keeps (in f32): else they size different contexts on a machine whose
+    memory caps it (latent attention keeps one tensor of rows, a hybrid rows for its
+    full-attention layers only, a multi-token prediction layer none). The recurrent state
+    is not counted."""
+    from common import models
+    name, _, hf_dir, gguf_path = case
+    for path in (hf_dir, gguf_path):
+        c = load(path, torch.float32, "cpu").config
+        s = KVSession(Llama(load(path, torch.float32, "cpu"), MAX_POS), MAX_POS, 16)
+        s.reserve(16)
+        rows = (s.nbytes - (0 if s.state is None else s.state.nbytes * (1 + len(s.marks)))) // s.k.shape[2]
+        want = models.trained_of(c.max_context, c.kv_layers, c.n_kv_heads, c.head_dim, c.kv_tensors)
+        assert models._trained(path)[1] == want[1] == rows, (name, path)

@@ -1,7 +1,7 @@
 """Multi-head latent attention (procs/inference/mla.py; GLM-4.7-Flash and DeepSeek-V2/V3,
 whose GGUFs say deepseek2) beyond the parity, exact-mode and checkpoint tests of test_architectures.py (whose
 tiny model "glm4_moe_lite" and its GGUF, written as llama.cpp's converter writes one, these
-reuse): the cache holds the latent, each part of the math matters, and the released configs
+reuse): the cache holds the latent once, each part of the math matters, and the released configs
 of GLM-4.7-Flash and DeepSeek-V2-Lite read as their GGUFs' metadata do.
 """
 from __future__ import annotations
@@ -31,21 +31,50 @@ def _last_logits(w) -> torch.Tensor:
 
 
 def test_the_cache_holds_one_latent_row_per_token(build):
-    """K/V rows are [c, k_pe] and [c, 0]: one head of kv_lora + rope dims, whatever the head
-    count, the value's rotary columns exactly zero and its latent the key's."""
+    """K rows are [c, k_pe]: one head of kv_lora + rope dims, whatever the head count. V rows
+    are the K rows, one tensor: the session's bytes are its K rows' alone, through prefill,
+    growth, decode (the native step writes no second copy, nor zeros over k_pe) and a copy."""
     _, m, _, gguf_path = build(NAME)
-    model = Llama(load(gguf_path, torch.float32, "cpu"), MAX_POS)
+    model = Llama(load(gguf_path, torch.float32, "cpu"), MAX_POS, kernels=native.load())
     c, hc = model.cfg, m.config
-    assert (c.n_kv_heads, c.head_dim) == (1, hc.kv_lora_rank + hc.qk_rope_head_dim)
+    assert (c.n_kv_heads, c.head_dim, c.kv_tensors) == (1, hc.kv_lora_rank + hc.qk_rope_head_dim, 1)
     s = KVSession(model, MAX_POS, 16)
     s.prefill(_prompt(NAME))
-    k, v = s.k[:, :, :PROMPT], s.v[:, :, :PROMPT]
-    assert k.shape == (c.n_layers, 1, PROMPT, c.head_dim)
-    assert torch.equal(v[..., :c.kv_lora], k[..., :c.kv_lora])
-    assert not v[..., c.kv_lora:].any() and k[..., c.kv_lora:].abs().min() > 0
+    for _ in range(3):            # past the first reserve: the rows grow, still one tensor
+        s.decode(int(s.logits.argmax()))
+    t = KVSession(model, MAX_POS, 16)
+    t.copy_prefix(s, len(s) - 1)
+    for x in (s, t):
+        assert x.v is x.k and x.nbytes == x.k.numel() * x.k.element_size() > 0
+    k = s.k[:, :, :len(s)]
+    assert k.shape == (c.n_layers, 1, PROMPT + 3, c.head_dim)
+    assert k[..., c.kv_lora:].abs().min() > 0          # the rotary keys, decode's rows too
+    assert torch.equal(t.k[:, :, :len(t)], s.k[:, :, :len(t)])
     # the unabsorbed cache would hold a key (nope + rope) and a value per head
     per_head = hc.num_attention_heads * (hc.qk_nope_head_dim + hc.qk_rope_head_dim + hc.v_head_dim)
-    print(f"\ncached values per token and layer: {2 * c.head_dim} (latent) against {per_head} (per head)")
+    print(f"\ncached values per token and layer: {c.head_dim} (latent) against {per_head} (per head)")
+
+
+def test_a_checkpoint_with_zero_rotary_values_restores_the_same(build):
+    """Checkpoints written before the one tensor hold V rows [c, 0]: importing one reads the
+    K rows alone, so the session decodes as the session it came from (the zeros written over
+    K's k_pe would move the logits)."""
+    _, _, _, gguf_path = build(NAME)
+    model = Llama(load(gguf_path, torch.float32, "cpu"), MAX_POS, kernels=native.load())
+    s = KVSession(model, MAX_POS, 16)
+    s.prefill(_prompt(NAME))
+    tokens, k, v = s.export()
+    assert torch.equal(k, v)
+    old = v.clone()
+    old[..., model.cfg.kv_lora:] = 0
+    r = KVSession(model, MAX_POS, 16)
+    r.import_(tokens, s.logits, k, old)
+    tok = int(s.logits.argmax())
+    want = s.decode(tok)
+    assert torch.equal(r.decode(tok), want)
+    broken = KVSession(model, MAX_POS, 16)
+    broken.import_(tokens, s.logits, old, old)
+    assert (broken.decode(tok) - want).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("change", ["interleave", "kv_a_norm", "q_a_norm", "scale", "uk", "score_bias"])
@@ -219,9 +248,9 @@ def test_native_step_is_torch_step(wide):
     tol, kv_tol = (1e-3, 1e-4) if qtype is None else (0.25, 0.25)
     assert worst < tol, worst
     new = slice(n, n + 8)
-    for a, b in ((sa.k, sb.k), (sa.v, sb.v)):
-        assert (a[:, :, new] - b[:, :, new]).abs().max().item() < kv_tol
-        assert a[:, :, new, :mine.cfg.kv_lora].abs().amax(dim=-1).min().item() > 0
+    assert sa.v is sa.k and sb.v is sb.k
+    assert (sa.k[:, :, new] - sb.k[:, :, new]).abs().max().item() < kv_tol
+    assert sa.k[:, :, new, :mine.cfg.kv_lora].abs().amax(dim=-1).min().item() > 0
     print(f"\n{path}: worst logit difference {worst:.2g}")
 
 
