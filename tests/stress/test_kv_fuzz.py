@@ -49,6 +49,7 @@ class Cfg:
         self.n_layers, self.n_kv_heads, self.head_dim, self.vocab_size, self.quant_bits = 2, 2, 8, vocab, 4
         self.windows = ()   # every layer global: a dense model
         self.linear_layers, self.kv_layers = (), self.n_layers    # no linear-attention layers
+        self.kv_tensors = 2                                         # K and V (not latent attention)
 
 
 class FakeModel:
