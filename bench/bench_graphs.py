@@ -1,10 +1,10 @@
 """Decode steps and prefills on CUDA: replayed graphs (--cuda-graphs, the default) against
 torch's ops launched one by one (--no-cuda-graphs), in one process and one run: decode of one
-sequence and four (kvsession.decode_many) at two contexts, medians of 40 steps after two
+sequence and four (steps.decode_many) at two contexts, medians of 40 steps after two
 warm-up steps, and a turn's 16, 128 and 512 new tokens prefilled onto a 4,000-token session
 (with graphs, both ways of attention: the product and the fused kernel, as
 graphs.choose_attention times them at start, which this prints first);
-and four such turns' 32, 128, 256 or 512 tokens in one shared step (kvsession.prefill_many)
+and four such turns' 32, 128, 256 or 512 tokens in one shared step (steps.prefill_many)
 against one by one (when each prompt is in, for the median time to first token), medians
 of 12.
 
@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.machine import cpu_name  # noqa: E402
 from common.config import Settings  # noqa: E402
-from procs.inference.kvsession import KVSession, decode_many, prefill_many  # noqa: E402
+from procs.inference.kvsession import KVSession  # noqa: E402
+from procs.inference.steps import decode_many, prefill_many  # noqa: E402
 from procs.inference.runtime import build  # noqa: E402
 from tests.conftest import default_model_path  # noqa: E402
 

@@ -34,7 +34,8 @@ def child(a) -> dict:
     import torch
     from common.config import Settings
     from common.models import resolve
-    from procs.inference.kvsession import KVSession, decode_many
+    from procs.inference.kvsession import KVSession
+    from procs.inference.steps import decode_many
     from procs.inference.runtime import build
     s = Settings(model=resolve(a.model, Settings().models_path()), device="cpu", ctx_size=a.tokens + 512,
                  dtype=a.dtype)

@@ -41,7 +41,8 @@ def worker(args) -> None:
     import torch
 
     from common.config import Settings
-    from procs.inference.kvsession import KVSession, decode_many
+    from procs.inference.kvsession import KVSession
+    from procs.inference.steps import decode_many
     from procs.inference.runtime import build
     from procs.inference.threads import DecodeThreads
     s = Settings.load("inference", ["--model", args.model, "--threads", str(args.threads), "--dtype", args.dtype])

@@ -49,7 +49,8 @@ def _generate(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from common.detok import Detokenizer
-    from procs.inference.kvsession import KVSession, decode_many
+    from procs.inference.kvsession import KVSession
+    from procs.inference.steps import decode_many
     from procs.inference.sampling import Sampler
     from procs.inference.threads import DecodeThreads
 

@@ -284,7 +284,7 @@ class Llama:
         --deterministic promise that an answer does not depend on what else runs) decodes
         each sequence alone there. share: Decoder.batch's (rows shared between sequences,
         read once by the native decoder; the other paths ignore it). On CUDA,
-        kvsession.decode_many replays graphs.GraphDecoder's graphs instead, where it can."""
+        steps.decode_many replays graphs.GraphDecoder's graphs instead, where it can."""
         B = len(ids)
         states = states or [None] * B
         if B == 1 or (exact and self.decoder is None):

@@ -1,5 +1,5 @@
 """The jobs in flight and how they advance: each Run prefills its prompt a chunk at a time
-and then decodes, and every decoding run advances in one batched step (kvsession.decode_many:
+and then decodes, and every decoding run advances in one batched step (steps.decode_many:
 one read of each weight for all of them). A mixin of Worker (procs/inference/server.py),
 whose state it uses: s, active, sessions, frontiers, disk, guides, keep, cancelled, n_ctx,
 threads, send, start, make_room, log.
@@ -27,7 +27,8 @@ from common import kvfile
 from common import messages as m
 from common import metrics
 from common.policy import continued_frontiers
-from procs.inference.kvsession import KVSession, decode_many, prefill_many
+from procs.inference.kvsession import KVSession
+from procs.inference.steps import decode_many, prefill_many
 from procs.inference.lookup import Drafts, speculate
 from procs.inference.plan import prompt_saves
 from procs.inference.sampling import Sampler, sample_many
@@ -143,7 +144,7 @@ class Runs:
         self.chunk_done(run)
 
     def prefill_together(self, runs: list[Run], tick: int) -> bool:
-        """One chunk of each run's prompt in one step of the model's graphs (kvsession.prefill_many:
+        """One chunk of each run's prompt in one step of the model's graphs (steps.prefill_many:
         on CUDA several short chunks cost about one). False, nothing done, where that step is
         not a graph's (yet: graphs.prefill_many). A failure of the shared step is each run's."""
         chunks = [self.next_chunk(r) for r in runs]

@@ -1,5 +1,5 @@
 """Which sessions of a batch hold the same first rows, for the native decoder's batched step
-(kvsession.decode_many): such rows are read once a step for every sequence that holds them."""
+(steps.decode_many): such rows are read once a step for every sequence that holds them."""
 from __future__ import annotations
 
 import collections

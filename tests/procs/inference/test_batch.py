@@ -1,4 +1,4 @@
-"""Batched decode (Llama.decode_batch, kvsession.decode_many): B sequences of different lengths
+"""Batched decode (Llama.decode_batch, steps.decode_many): B sequences of different lengths
 advance in one step. With the native kernels each row equals, bit for bit, the same sequence
 decoded alone (greedy tokens and logits, in f32 and bf16); torch's batched linears (no native
 kernels) agree within rounding, and exactly when asked (exact: one sequence at a time)."""
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from procs.inference.kvsession import KVSession, decode_many
+from procs.inference.kvsession import KVSession
+from procs.inference.steps import decode_many
 from procs.inference.model import Llama
 
 
@@ -201,12 +202,12 @@ def test_the_pooled_prefill_equals_the_forward(name, fused):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["product", "fused"])
 def test_chunks_of_several_prompts_in_one_pooled_prefill(model_path, fused):
-    """kvsession.prefill_many (several sessions' next chunks in one step of the prefill pool,
+    """steps.prefill_many (several sessions' next chunks in one step of the prefill pool,
     padded to one bucket, each with its own mask), run eagerly here: each session's logits
     and rows are those of its own prefill within rounding, whatever the order of their slots;
     a chunk that crosses a chunk boundary is refused; without graphs it does nothing (None)."""
     from procs.inference.graphs import GraphDecoder
-    from procs.inference.kvsession import prefill_many
+    from procs.inference.steps import prefill_many
     from procs.inference.loader import load
     m = Llama(load(model_path, torch.float32, "cpu"), 2048, packed=False)
     ps = [[1 + (i * 7 + j * 13) % 3000 for j in range(n)] for i, n in enumerate((100, 300, 40))]

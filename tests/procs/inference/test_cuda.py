@@ -14,7 +14,8 @@ import torch
 from common.config import Settings
 from common.models import ModelError, resolve
 from procs.inference.graphs import GraphDecoder
-from procs.inference.kvsession import KVSession, decode_many
+from procs.inference.kvsession import KVSession
+from procs.inference.steps import decode_many
 from procs.inference.runtime import build
 from procs.inference.sessions import RAM_SHARE, budget_bytes
 import numpy as np

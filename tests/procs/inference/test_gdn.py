@@ -14,7 +14,8 @@ import torch
 
 from procs.inference import native
 from procs.inference.gdn import BLOCK, delta_block, delta_step
-from procs.inference.kvsession import MAX_MARKS, KVSession, decode_many
+from procs.inference.kvsession import MAX_MARKS, KVSession
+from procs.inference.steps import decode_many
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from tests.procs.inference.tiny_models import (LOGIT_TOL, MAX_POS, VOCAB, _prompt, batched_steps, build,  # noqa: F401

@@ -17,7 +17,8 @@ import torch
 
 from procs.inference import linear as linear_mod
 from procs.inference import native
-from procs.inference.kvsession import KVSession, decode_many
+from procs.inference.kvsession import KVSession
+from procs.inference.steps import decode_many
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.native import MAT_Q4, MAT_Q5, MAT_Q8

@@ -16,7 +16,8 @@ import torch
 from common import messages as m
 import procs.inference.graphs as graphs_mod
 from procs.inference.graphs import GraphDecoder
-from procs.inference.kvsession import KVSession, decode_many
+from procs.inference.kvsession import KVSession
+from procs.inference.steps import decode_many
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.runs import Run, Runs

@@ -12,7 +12,8 @@ import torch
 
 from common.config import Settings
 from common.models import ModelError, resolve
-from procs.inference.kvsession import KVSession, decode_many
+from procs.inference.kvsession import KVSession
+from procs.inference.steps import decode_many
 from procs.inference.sharing import Sharing
 from procs.inference.native import ATT_CHUNK
 from tests.conftest import _load_model

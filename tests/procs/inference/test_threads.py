@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from procs.inference import threads as th
-from procs.inference.kvsession import KVSession, decode_many
+from procs.inference.kvsession import KVSession
+from procs.inference.steps import decode_many
 from procs.inference.loader import load
 from procs.inference.model import Llama
 from procs.inference.threads import DecodeThreads, candidates

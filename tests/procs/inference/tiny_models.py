@@ -17,7 +17,8 @@ gguf = pytest.importorskip("gguf")
 from procs.inference.loader import load  # noqa: E402
 from procs.inference import native  # noqa: E402
 from procs.inference.model import Llama  # noqa: E402
-from procs.inference.kvsession import KVSession, decode_many  # noqa: E402
+from procs.inference.kvsession import KVSession  # noqa: E402
+from procs.inference.steps import decode_many  # noqa: E402
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 320, 64, 128, 2, 4, 2, 16
 PROMPT, GREEDY, MAX_POS = 40, 64, 128
@@ -448,7 +449,7 @@ def _prompt(name: str) -> list[int]:
 
 def batched_steps(model, ids: list[int], steps: int = 5, alone_equal: bool = False):
     """Three sessions of model at different lengths (12, 21, 30 prompt tokens) decoding
-    `steps` tokens together in batched steps (kvsession.decode_many), beside a copy of the
+    `steps` tokens together in batched steps (steps.decode_many), beside a copy of the
     second decoding alone: (logits [steps, 3, V], the three sessions). alone_equal: each step's
     second row must equal the lone copy's, bit for bit (the native decoder's promise)."""
     sess = [KVSession(model, MAX_POS, 16) for _ in range(3)]
